@@ -1,0 +1,6 @@
+"""Run kvrescue-local from a checkout: `python3 cli.py ...` is `kvrescue-local ...`."""
+
+from kvrescue_local.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Write qwen2-architecture GGUF files from numpy weights.
+
+Used for the tiny models of the tests and the offline demo (random weights
+from a seed), and by the exporters of trained or converted checkpoints.
+The tokenizer is byte level in Qwen's GPT-2 byte-unicode form: token id b is
+byte b, then a few merges, then the chat control tokens (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<extra_0>")
+# llama.cpp refuses a BPE vocabulary without merges; "\n\n" as one token also
+# makes the step separator a single token, as in Qwen's real vocabulary.
+MERGES = ("Ċ Ċ", "Ġ Ġ")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def byte_vocab() -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges of the byte-level tokenizer."""
+    table = byte_to_unicode()
+    tokens = [table[b] for b in range(256)]
+    tokens += [m.replace(" ", "") for m in MERGES]
+    types = [1] * len(tokens)  # NORMAL
+    tokens += list(CONTROL_TOKENS)
+    types += [3] * len(CONTROL_TOKENS)  # CONTROL
+    return tokens, types, list(MERGES)
+
+
+@dataclass(frozen=True)
+class Qwen2Shape:
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx_train: int = 4096
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+TINY_BASE = Qwen2Shape(n_embd=128, n_layer=4, n_head=4, n_head_kv=2, n_ff=256)
+TINY_HELPER = Qwen2Shape(n_embd=64, n_layer=2, n_head=2, n_head_kv=1, n_ff=128)
+
+
+def n_vocab() -> int:
+    return len(byte_vocab()[0])
+
+
+def random_qwen2_weights(shape: Qwen2Shape, seed: int, scale: float = 0.08) -> dict[str, np.ndarray]:
+    """Random weights with the GGUF tensor names of llama.cpp's qwen2, in HF (out, in) layout."""
+    rng = np.random.default_rng(seed)
+    d, kv = shape.n_embd, shape.n_head_kv * shape.head_dim
+
+    def w(*dims: int) -> np.ndarray:
+        return (rng.standard_normal(dims) * scale).astype(np.float32)
+
+    weights = {"token_embd.weight": w(n_vocab(), d), "output_norm.weight": np.ones(d, np.float32)}
+    for i in range(shape.n_layer):
+        p = f"blk.{i}."
+        weights.update({
+            p + "attn_norm.weight": np.ones(d, np.float32),
+            p + "attn_q.weight": w(d, d), p + "attn_q.bias": w(d),
+            p + "attn_k.weight": w(kv, d), p + "attn_k.bias": w(kv),
+            p + "attn_v.weight": w(kv, d), p + "attn_v.bias": w(kv),
+            p + "attn_output.weight": w(d, d),
+            p + "ffn_norm.weight": np.ones(d, np.float32),
+            p + "ffn_gate.weight": w(shape.n_ff, d),
+            p + "ffn_up.weight": w(shape.n_ff, d),
+            p + "ffn_down.weight": w(d, shape.n_ff),
+        })
+    return weights
+
+
+def write_qwen2_gguf(path: str | Path, shape: Qwen2Shape, weights: dict[str, np.ndarray], name: str = "tiny") -> Path:
+    """Write a loadable qwen2 GGUF; output.weight absent means tied to token_embd."""
+    import gguf  # gguf-py; imported here so that reading GGUFs never needs it
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tokens, types, merges = byte_vocab()
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name(name)
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+    for tensor_name, array in weights.items():
+        writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_tiny_model(path: str | Path, shape: Qwen2Shape, seed: int) -> Path:
+    return write_qwen2_gguf(path, shape, random_qwen2_weights(shape, seed), name=f"tiny-seed{seed}")

@@ -1,0 +1,229 @@
+"""A llama.cpp context: multi-sequence batched decode and per-sequence KV memory.
+
+Sequences are llama.cpp sequence ids; their positions are llama.cpp's own
+(`seq_pos_max + 1` is the next one), so nothing here shadows the KV state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import KVRescueError
+from .lib import llama, patched
+from .model import Model
+
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+# llama.cpp rounds n_ctx up to a multiple of this (DESIGN.md §3)
+N_CTX_PAD = 256
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    n_ctx: int = 4096
+    n_seq_max: int = 1
+    n_batch: int = 512
+    kv_unified: bool = True  # every sequence sees all n_ctx cells; forks share cells
+    flash_attn: str = "auto"
+    kv_type: str = "f16"  # "f32" for bit-parity tests
+    embeddings: bool = False  # hidden states after the final norm (PRM backbones)
+    n_threads: int = 0  # 0 = all cores
+
+
+class Batch:
+    """A llama_batch whose arrays are numpy-owned, so filling it is vectorised."""
+
+    def __init__(self, capacity: int) -> None:
+        low = llama()
+        self.capacity = capacity
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.seq_id = np.zeros(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        base = self.seq_id.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)])
+        self.struct = low.llama_batch()
+        self.struct.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.embd = None
+        self.struct.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.struct.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, outputs: np.ndarray) -> None:
+        n = len(tokens)
+        self.token[:n] = tokens
+        self.pos[:n] = positions
+        self.seq_id[:n] = seq_ids
+        self.logits[:n] = outputs
+        self.struct.n_tokens = n
+
+
+class Context:
+    """One llama.cpp context over a model; free() releases it."""
+
+    def __init__(self, model: Model, params: ContextParams = ContextParams()) -> None:
+        low = llama()
+        if params.flash_attn not in FLASH_ATTN:
+            raise KVRescueError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, not {params.flash_attn!r}")
+        if params.kv_type not in KV_TYPES:
+            raise KVRescueError(f"kv_type must be one of {sorted(KV_TYPES)}, not {params.kv_type!r}")
+        if params.n_seq_max < 1:
+            raise KVRescueError("n_seq_max must be at least 1")
+        self.model = model
+        self.params = params
+        cp = low.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_batch
+        cp.n_seq_max = params.n_seq_max
+        cp.kv_unified = params.kv_unified
+        cp.flash_attn_type = FLASH_ATTN[params.flash_attn]
+        cp.type_k = cp.type_v = KV_TYPES[params.kv_type]
+        cp.embeddings = params.embeddings
+        if params.embeddings:
+            cp.pooling_type = low.LLAMA_POOLING_TYPE_NONE
+        threads = params.n_threads or os.cpu_count() or 1
+        cp.n_threads = cp.n_threads_batch = threads
+        self.handle = low.llama_init_from_model(model.handle, cp)
+        if not self.handle:
+            raise KVRescueError(f"llama.cpp could not create a context (n_ctx={params.n_ctx}, n_seq_max={params.n_seq_max}): "
+                                "lower n_ctx or n_seq_max, or free memory")
+        self.memory = low.llama_get_memory(self.handle)
+        self.n_ctx = low.llama_n_ctx(self.handle)
+        self.n_seq_max = params.n_seq_max
+        self.n_vocab = model.n_vocab
+        self.n_embd = model.n_embd
+        self.batch = Batch(params.n_batch)
+        self._decode = low.llama_decode
+        self._logits_ith = low.llama_get_logits_ith
+        self._embeddings_ith = low.llama_get_embeddings_ith
+        self._pos_max = low.llama_memory_seq_pos_max
+
+    def free(self) -> None:
+        if getattr(self, "handle", None):
+            llama().llama_free(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.free()
+
+    # --- sequences -------------------------------------------------------
+    def check_seq(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise KVRescueError(f"sequence id {seq_id} needs n_seq_max >= {seq_id + 1}, but this context has "
+                                f"n_seq_max={self.n_seq_max}: create it with a larger n_seq_max")
+
+    def pos_max(self, seq_id: int) -> int:
+        """Largest position seq_id holds, -1 when empty."""
+        self.check_seq(seq_id)
+        return self._pos_max(self.memory, seq_id)
+
+    def fork(self, src: int, dst: int) -> None:
+        """Make dst an exact copy of src; they share cells until they diverge."""
+        self.check_seq(src)
+        self.check_seq(dst)
+        low = llama()
+        low.llama_memory_seq_rm(self.memory, dst, -1, -1)
+        low.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+
+    def keep(self, seq_id: int) -> None:
+        """Drop every other sequence (the winner of a round stays)."""
+        self.check_seq(seq_id)
+        llama().llama_memory_seq_keep(self.memory, seq_id)
+
+    def drop(self, seq_id: int) -> None:
+        self.check_seq(seq_id)
+        llama().llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+
+    def remove(self, seq_id: int, p0: int, p1: int) -> None:
+        """Remove positions [p0, p1) from seq_id; both bounds explicit (p1 < 0 would mean 'to the end')."""
+        self.check_seq(seq_id)
+        if not 0 <= p0 <= p1:
+            raise KVRescueError(f"remove needs 0 <= p0 <= p1, got [{p0}, {p1})")
+        if not llama().llama_memory_seq_rm(self.memory, seq_id, p0, p1):
+            raise KVRescueError("this model's memory cannot remove a partial range (recurrent or hybrid model): "
+                                "KV eviction needs a pure-attention model")
+
+    def cells(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(cell indices, positions) that seq_id holds, ordered by position (the patch's cell map)."""
+        self.check_seq(seq_id)
+        lib = patched()
+        n = lib.llama_kvr_seq_cells(self.memory, seq_id, None, None, 0)
+        if n == -1:
+            raise KVRescueError("this context's memory is not a plain attention KV cache: the cell map needs one")
+        cells = np.zeros(n, np.int32)
+        pos = np.zeros(n, np.int32)
+        lib.llama_kvr_seq_cells(self.memory, seq_id, cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
+        return cells, pos
+
+    def n_cells(self, seq_id: int) -> int:
+        """How many cells seq_id can attend to."""
+        self.check_seq(seq_id)
+        return patched().llama_kvr_seq_cells(self.memory, seq_id, None, None, 0)
+
+    # --- decoding --------------------------------------------------------
+    def decode(self, tokens, positions, seq_ids, outputs) -> None:
+        """One llama_decode of at most n_batch tokens; rows flagged in outputs get logits (or embeddings)."""
+        n = len(tokens)
+        if n > self.batch.capacity:
+            raise KVRescueError(f"a batch of {n} tokens exceeds n_batch={self.batch.capacity}")
+        self.batch.fill(tokens, positions, seq_ids, outputs)
+        status = self._decode(self.handle, self.batch.struct)
+        if status == 1:
+            raise KVRescueError(f"the KV cache is full: no room for {n} more tokens in n_ctx={self.n_ctx} cells; "
+                                "raise n_ctx, lower the number of sequences, or evict")
+        if status != 0:
+            raise KVRescueError(f"llama_decode failed with status {status} (invalid batch or backend error)")
+
+    def prefill(self, seq_id: int, tokens) -> int:
+        """Append tokens to seq_id in n_batch chunks; returns the batch row holding the last token's logits."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if len(tokens) == 0:
+            raise KVRescueError("nothing to decode: the token list is empty")
+        self.check_vocab(tokens)
+        start = self.pos_max(seq_id) + 1
+        step = self.batch.capacity
+        for offset in range(0, len(tokens), step):
+            chunk = tokens[offset:offset + step]
+            outputs = np.zeros(len(chunk), np.int8)
+            if offset + step >= len(tokens):
+                outputs[-1] = 1
+            self.decode(chunk, np.arange(start + offset, start + offset + len(chunk), dtype=np.int32),
+                        np.full(len(chunk), seq_id, np.int32), outputs)
+        return len(tokens) - 1 - offset
+
+    def step(self, seq_ids, tokens) -> None:
+        """Decode one token for each sequence in one call; row i of the output belongs to seq_ids[i]."""
+        seq_ids = np.asarray(seq_ids, dtype=np.int32)
+        tokens = np.asarray(tokens, dtype=np.int32)
+        for s in seq_ids:
+            self.check_seq(int(s))
+        self.check_vocab(tokens)
+        positions = np.fromiter((self._pos_max(self.memory, int(s)) + 1 for s in seq_ids), np.int32, len(seq_ids))
+        self.decode(tokens, positions, seq_ids, np.ones(len(tokens), np.int8))
+
+    def check_vocab(self, tokens: np.ndarray) -> None:
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
+            raise KVRescueError(f"token id out of range [0, {self.n_vocab}): the tokens come from another model's vocabulary")
+
+    def logits(self, row: int = -1) -> np.ndarray:
+        """A copy of the logits of batch row `row` of the last decode (-1: the last row flagged for output)."""
+        ptr = self._logits_ith(self.handle, row)
+        if not ptr:
+            raise KVRescueError(f"no logits for batch row {row}: that row was not flagged for output")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def embedding(self, row: int) -> np.ndarray:
+        """A copy of the final hidden state of batch row `row` (context made with embeddings=True)."""
+        ptr = self._embeddings_ith(self.handle, row)
+        if not ptr:
+            raise KVRescueError(f"no hidden state for batch row {row}: create the context with embeddings=True")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy()

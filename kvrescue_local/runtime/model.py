@@ -1,0 +1,122 @@
+"""A loaded GGUF model and its vocabulary."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import KVRescueError
+from .lib import llama, patched
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: Path) -> Path:
+    """Fail with a one-line fix before llama.cpp sees a path that cannot be a GGUF."""
+    if not path.exists():
+        raise KVRescueError(f"GGUF file not found: {path}; pass the path of an existing .gguf file or a preset name")
+    if path.is_dir():
+        raise KVRescueError(f"{path} is a directory; pass the .gguf file inside it")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise KVRescueError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                            "download it again or convert the checkpoint to GGUF")
+    return path
+
+
+@dataclass
+class Model:
+    """A llama.cpp model; free() releases it (also done when garbage-collected)."""
+
+    path: Path
+    n_gpu_layers: int = 0
+    handle: ctypes.c_void_p = field(init=False, repr=False)
+    vocab: ctypes.c_void_p = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        low = llama()
+        patched()  # refuse a stock build before loading anything
+        self.path = check_gguf_file(Path(self.path))
+        params = low.llama_model_default_params()
+        params.n_gpu_layers = self.n_gpu_layers
+        self.handle = low.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.handle:
+            raise KVRescueError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "
+                                "architecture this llama.cpp does not know; download or convert it again")
+        self.vocab = low.llama_model_get_vocab(self.handle)
+
+    def free(self) -> None:
+        if getattr(self, "handle", None):
+            llama().llama_model_free(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.free()
+
+    # --- model constants -------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return llama().llama_vocab_n_tokens(self.vocab)
+
+    @property
+    def n_embd(self) -> int:
+        return llama().llama_model_n_embd(self.handle)
+
+    @property
+    def n_layer(self) -> int:
+        return llama().llama_model_n_layer(self.handle)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return llama().llama_model_n_ctx_train(self.handle)
+
+    @property
+    def supports_partial_removal(self) -> bool:
+        """Eviction needs `seq_rm` of a middle range, which recurrent and hybrid memories refuse."""
+        low = llama()
+        return not (low.llama_model_is_recurrent(self.handle) or low.llama_model_is_hybrid(self.handle))
+
+    def describe(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        llama().llama_model_desc(self.handle, buf, len(buf))
+        return buf.value.decode()
+
+    # --- vocabulary ------------------------------------------------------
+    @property
+    def eos(self) -> int:
+        return llama().llama_vocab_eos(self.vocab)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama().llama_vocab_is_eog(self.vocab, token))
+
+    def tokenize(self, text: str, special: bool = True) -> np.ndarray:
+        """Token ids of text; with special=True control tokens written in the text (<|im_start|>) are parsed."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        out = (ctypes.c_int32 * capacity)()
+        n = llama().llama_tokenize(self.vocab, data, len(data), out, capacity, False, special)
+        if n < 0:
+            raise KVRescueError(f"tokenizer needed {-n} tokens for {len(data)} bytes")
+        return np.frombuffer(out, dtype=np.int32, count=n).copy()
+
+    def detokenize(self, tokens, special: bool = True) -> str:
+        return self.detokenize_bytes(tokens, special).decode("utf-8", "replace")
+
+    def detokenize_bytes(self, tokens, special: bool = True) -> bytes:
+        """Raw bytes: a byte-level token may hold half of a UTF-8 character."""
+        ids = np.ascontiguousarray(tokens, dtype=np.int32)
+        arr = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        capacity = max(64, 16 * len(ids))
+        while True:
+            buf = ctypes.create_string_buffer(capacity)
+            n = llama().llama_detokenize(self.vocab, arr, len(ids), buf, capacity, False, special)
+            if n >= 0:
+                return buf.raw[:n]
+            capacity = -n
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.detokenize_bytes([token])

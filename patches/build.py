@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Build and install llama-cpp-python with kvrescue's llama.cpp patch series.
+
+Downloads the pinned sdist (sha256 checked), applies patches/*.patch to its
+vendor/llama.cpp, builds a wheel and installs it into the running Python.
+Wheels are cached under a key made of the sdist hash, the patch-series hash,
+the build flags and the Python/platform tag, so a re-install takes seconds
+while a fresh machine still builds.
+
+CPU by default. CUDA: `--cuda` (adds -DGGML_CUDA=on); any other CMake flag
+passes through the CMAKE_ARGS environment variable, as with llama-cpp-python.
+
+Standard library only: this runs before anything else is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+SDIST_NAME = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# mtmd (multimodal) is not used and doubles the build time.
+BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF"]
+CUDA_CMAKE_ARGS = ["-DGGML_CUDA=on"]
+
+PATCH_DIR = Path(__file__).resolve().parent
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def log(message: str) -> None:
+    print(f"[kvrescue build] {message}", flush=True)
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def patch_series() -> list[Path]:
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def series_hash(patches: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for p in patches:
+        digest.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("check", False)
+    return subprocess.run(cmd, **kwargs)
+
+
+def fetch_sdist(cache: Path) -> Path:
+    sdist_dir = cache / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    sdist = sdist_dir / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}.tar.gz"
+    if not sdist.exists():
+        log(f"downloading {SDIST_NAME}=={SDIST_VERSION} sdist")
+        res = run([sys.executable, "-m", "pip", "download", f"{SDIST_NAME}=={SDIST_VERSION}",
+                   "--no-binary", ":all:", "--no-deps", "-d", str(sdist_dir)])
+        if res.returncode != 0 or not sdist.exists():
+            raise BuildError(f"could not download the {SDIST_NAME}=={SDIST_VERSION} sdist: check that PyPI is reachable")
+    actual = sha256_of(sdist)
+    if actual != SDIST_SHA256:
+        sdist.unlink()
+        raise BuildError(f"sdist hash mismatch: got {actual}, expected {SDIST_SHA256}; "
+                         "the corrupt download was deleted, run again")
+    return sdist
+
+
+def apply_patches(vendor: Path, patches: list[Path]) -> None:
+    if shutil.which("patch") is None:
+        raise BuildError("the `patch` program is missing: install it (Debian: apt-get install patch)")
+    for p in patches:
+        # The vendored llama.cpp is a git submodule gitfile: plain patch, not git apply.
+        dry = run(["patch", "-p1", "--dry-run", "--batch", "--forward", "-d", str(vendor), "-i", str(p)],
+                  capture_output=True, text=True)
+        if dry.returncode != 0:
+            raise BuildError(f"patch {p.name} does not apply to llama.cpp of {SDIST_NAME} {SDIST_VERSION}:\n"
+                             f"{dry.stdout}{dry.stderr}")
+        run(["patch", "-p1", "--batch", "--forward", "--quiet", "-d", str(vendor), "-i", str(p)], check=True)
+        log(f"applied {p.name}")
+
+
+def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path) -> Path:
+    with tempfile.TemporaryDirectory(prefix="kvrescue-build-") as tmp:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        src = Path(tmp) / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}"
+        apply_patches(src / "vendor" / "llama.cpp", patches)
+        env = dict(os.environ, CMAKE_ARGS=cmake_args)
+        env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        log(f"building the wheel (CMAKE_ARGS={cmake_args!r}); about 5 minutes on 2 cores")
+        started = time.monotonic()
+        wheel_tmp = Path(tmp) / "wheel"
+        res = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheel_tmp), str(src)], env=env)
+        wheels = list(wheel_tmp.glob("*.whl"))
+        if res.returncode != 0 or len(wheels) != 1:
+            raise BuildError("the llama.cpp build failed (see the compiler output above)")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        wheel = out_dir / wheels[0].name
+        shutil.move(str(wheels[0]), wheel)
+        log(f"built {wheel.name} in {time.monotonic() - started:.0f} s")
+        return wheel
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cuda", action="store_true", help="build the CUDA backend (-DGGML_CUDA=on)")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"sdist and wheel cache (default {DEFAULT_CACHE})")
+    parser.add_argument("--rebuild", action="store_true", help="ignore a cached wheel")
+    parser.add_argument("--wheel-only", action="store_true", help="build (or find) the wheel without installing it")
+    args = parser.parse_args(argv)
+
+    flags = BASE_CMAKE_ARGS + (CUDA_CMAKE_ARGS if args.cuda else []) + os.environ.get("CMAKE_ARGS", "").split()
+    cmake_args = " ".join(flags)
+    patches = patch_series()
+    try:
+        sdist = fetch_sdist(args.cache_dir)
+        key_src = "\n".join([SDIST_SHA256, series_hash(patches), cmake_args,
+                             sysconfig.get_platform(), platform.python_implementation(), sys.version.split()[0]])
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+        wheel_dir = args.cache_dir / "wheels" / key
+        cached = sorted(wheel_dir.glob("*.whl"))
+        if cached and not args.rebuild:
+            wheel = cached[-1]
+            log(f"using cached wheel {wheel} (key {key})")
+        else:
+            shutil.rmtree(wheel_dir, ignore_errors=True)
+            wheel = build_wheel(sdist, patches, cmake_args, wheel_dir)
+        if args.wheel_only:
+            print(wheel)
+            return 0
+        res = run([sys.executable, "-m", "pip", "install", "--force-reinstall", "--no-deps", str(wheel)])
+        if res.returncode != 0:
+            raise BuildError(f"pip could not install {wheel}")
+        # The wheel's own dependencies (numpy, jinja2, ...) without touching versions already there.
+        res = run([sys.executable, "-m", "pip", "install", str(wheel)])
+        if res.returncode != 0:
+            raise BuildError(f"pip could not install the dependencies of {wheel.name}")
+    except (BuildError, subprocess.CalledProcessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    log(f"installed patched llama-cpp-python {SDIST_VERSION} (patch series {', '.join(p.name for p in patches)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

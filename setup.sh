@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One-command set-up: the patched llama.cpp (llama-cpp-python, built from the pinned,
+# hash-checked sdist, cached by sdist + patch series + build flags), then this
+# package in editable mode with the dev extras. Arguments go to patches/build.py
+# (--cuda for the CUDA backend; CMAKE_ARGS passes through).
+set -euo pipefail
+cd "$(dirname "$0")"
+python3 patches/build.py "$@"
+python3 -m pip install --quiet -e '.[dev]'
+echo "set-up done: try \`kvrescue-local doctor\`"

@@ -1,0 +1,64 @@
+"""patches/build.py refuses what it must refuse, without building anything."""
+
+import hashlib
+import importlib.util
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def build():
+    spec = importlib.util.spec_from_file_location("kvrescue_build", ROOT / "patches" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_corrupt_sdist_is_refused_and_deleted(build, tmp_path):
+    sdist = tmp_path / "sdist" / f"llama_cpp_python-{build.SDIST_VERSION}.tar.gz"
+    sdist.parent.mkdir()
+    sdist.write_bytes(b"not the sdist")
+    with pytest.raises(build.BuildError, match="hash mismatch"):
+        build.fetch_sdist(tmp_path)
+    assert not sdist.exists()
+
+
+def test_a_patch_that_does_not_apply_is_named(build, tmp_path):
+    vendor = tmp_path / "vendor"
+    (vendor / "include").mkdir(parents=True)
+    (vendor / "include" / "llama.h").write_text("something else entirely\n")
+    with pytest.raises(build.BuildError, match="0001-cell-map.patch does not apply"):
+        build.apply_patches(vendor, build.patch_series())
+
+
+def test_the_series_applies_to_the_pinned_sdist(build, tmp_path):
+    """Checked against the sdist in the build cache (present after the README's set-up)."""
+    sdist = build.DEFAULT_CACHE / "sdist" / f"llama_cpp_python-{build.SDIST_VERSION}.tar.gz"
+    if not sdist.exists():
+        pytest.skip("no cached sdist: run patches/build.py first")
+    assert hashlib.sha256(sdist.read_bytes()).hexdigest() == build.SDIST_SHA256
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.endswith(("include/llama.h", "src/llama-context.cpp"))
+                   and "/vendor/llama.cpp/" in m.name]
+        root = Path(tar.getnames()[0]).parts[0]
+        tar.extractall(tmp_path, members=members, filter="data")
+    build.apply_patches(tmp_path / root / "vendor" / "llama.cpp", build.patch_series())
+
+
+def test_cache_key_changes_with_the_patch_series(build, tmp_path):
+    one = tmp_path / "0001-a.patch"
+    one.write_text("a")
+    before = build.series_hash([one])
+    one.write_text("b")
+    assert build.series_hash([one]) != before
+
+
+def test_help_runs_without_dependencies():
+    out = subprocess.run([sys.executable, str(ROOT / "patches" / "build.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--cuda" in out.stdout
