@@ -70,3 +70,27 @@ def doctor(n_gpu_layers: int) -> None:
         click.echo(f"tiny-model decode: {n_cand} sequences x {n_steps} steps, {n_cand * n_steps / elapsed:.0f} tokens/s; "
                    f"sequence 0 holds {len(cells)} cells (prompt {len(prompt)} + {n_steps} decoded)")
     click.echo("ok")
+
+
+@main.group()
+def models() -> None:
+    """Model files: PRM conversion."""
+
+
+@models.command("convert-prm")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+              help="storage of the backbone's matrices")
+@click.option("--quantize", type=click.Choice(["q8_0", "q4_k_m", "q4_0"]), default=None,
+              help="quantize the backbone with llama.cpp after conversion")
+def convert_prm_command(src: Path, out: Path, dtype: str, quantize: str | None) -> None:
+    """Convert a Hugging Face PRM checkpoint directory SRC into OUT (GGUF) and OUT's reward head."""
+    from .prm import RewardHead, head_path
+    from .prm.convert import convert_prm
+
+    started = time.perf_counter()
+    gguf = convert_prm(src, out, dtype=dtype, quantize=quantize)
+    head = RewardHead.load(head_path(gguf))
+    click.echo(f"wrote {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB) and {head_path(gguf).name}: "
+               f"format {head.format}, hidden size {head.hidden_size}, {time.perf_counter() - started:.1f} s")

@@ -38,15 +38,27 @@ def byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-def byte_vocab() -> tuple[list[str], list[int], list[str]]:
-    """Tokens, token types and merges of the byte-level tokenizer."""
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """A GPT-2-style BPE vocabulary as llama.cpp reads it from GGUF."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    bos: str = "<|endoftext|>"
+    eos: str = "<|im_end|>"
+    pre: str = "qwen2"
+
+
+def byte_vocab() -> Vocab:
+    """Byte-level vocabulary: id b is byte b, then the merges, then the control tokens."""
     table = byte_to_unicode()
-    tokens = [table[b] for b in range(256)]
-    tokens += [m.replace(" ", "") for m in MERGES]
-    types = [1] * len(tokens)  # NORMAL
-    tokens += list(CONTROL_TOKENS)
-    types += [3] * len(CONTROL_TOKENS)  # CONTROL
-    return tokens, types, list(MERGES)
+    tokens = [table[b] for b in range(256)] + [m.replace(" ", "") for m in MERGES]
+    types = [TOKEN_NORMAL] * len(tokens) + [TOKEN_CONTROL] * len(CONTROL_TOKENS)
+    return Vocab(tokens + list(CONTROL_TOKENS), types, list(MERGES))
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,7 @@ TINY_HELPER = Qwen2Shape(n_embd=64, n_layer=2, n_head=2, n_head_kv=1, n_ff=128)
 
 
 def n_vocab() -> int:
-    return len(byte_vocab()[0])
+    return len(byte_vocab().tokens)
 
 
 def random_qwen2_weights(shape: Qwen2Shape, seed: int, scale: float = 0.08) -> dict[str, np.ndarray]:
@@ -98,13 +110,21 @@ def random_qwen2_weights(shape: Qwen2Shape, seed: int, scale: float = 0.08) -> d
     return weights
 
 
-def write_qwen2_gguf(path: str | Path, shape: Qwen2Shape, weights: dict[str, np.ndarray], name: str = "tiny") -> Path:
-    """Write a loadable qwen2 GGUF; output.weight absent means tied to token_embd."""
+def write_qwen2_gguf(path: str | Path, shape: Qwen2Shape, weights, vocab: Vocab | None = None,
+                     name: str = "tiny", dtype: str = "f32", metadata: dict[str, str] | None = None) -> Path:
+    """Write a loadable qwen2 GGUF, one tensor at a time.
+
+    weights maps GGUF tensor names to arrays or to objects with `.shape` and `.load()` (lazy
+    checkpoint tensors), in HF (out, in) layout; output.weight absent means tied to token_embd.
+    dtype "f16" stores matrices in half precision (norms and biases stay f32, as llama.cpp expects).
+    """
     import gguf  # gguf-py; imported here so that reading GGUFs never needs it
 
+    if dtype not in ("f32", "f16"):
+        raise ValueError(f"dtype must be f32 or f16, not {dtype!r}")
+    vocab = vocab or byte_vocab()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tokens, types, merges = byte_vocab()
     writer = gguf.GGUFWriter(str(path), "qwen2")
     writer.add_name(name)
     writer.add_context_length(shape.n_ctx_train)
@@ -115,22 +135,32 @@ def write_qwen2_gguf(path: str | Path, shape: Qwen2Shape, weights: dict[str, np.
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "f16" else gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.tokens.index(vocab.bos))
+    writer.add_eos_token_id(vocab.tokens.index(vocab.eos))
+    writer.add_pad_token_id(vocab.tokens.index(vocab.bos))
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
-    for tensor_name, array in weights.items():
-        writer.add_tensor(tensor_name, np.ascontiguousarray(array, dtype=np.float32))
+    for key, value in (metadata or {}).items():
+        writer.add_string(key, value)
+
+    def stored_dtype(ndim: int) -> np.dtype:
+        return np.dtype(np.float16 if dtype == "f16" and ndim == 2 else np.float32)
+
+    for tensor_name, tensor in weights.items():
+        out = stored_dtype(len(tensor.shape))
+        writer.add_tensor_info(tensor_name, tuple(tensor.shape), out, int(np.prod(tensor.shape)) * out.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in weights.values():
+        array = np.asarray(tensor.load() if hasattr(tensor, "load") else tensor, dtype=np.float32)
+        writer.write_tensor_data(np.ascontiguousarray(array.astype(stored_dtype(array.ndim))))
     writer.close()
     return path
 

@@ -78,7 +78,7 @@ def fetch_sdist(cache: Path) -> Path:
     if not sdist.exists():
         log(f"downloading {SDIST_NAME}=={SDIST_VERSION} sdist")
         res = run([sys.executable, "-m", "pip", "download", f"{SDIST_NAME}=={SDIST_VERSION}",
-                   "--no-binary", ":all:", "--no-deps", "-d", str(sdist_dir)])
+                   "--no-binary", SDIST_NAME, "--no-deps", "-d", str(sdist_dir)])
         if res.returncode != 0 or not sdist.exists():
             raise BuildError(f"could not download the {SDIST_NAME}=={SDIST_VERSION} sdist: check that PyPI is reachable")
     actual = sha256_of(sdist)

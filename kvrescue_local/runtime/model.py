@@ -87,6 +87,10 @@ class Model:
 
     # --- vocabulary ------------------------------------------------------
     @property
+    def bos(self) -> int:
+        return llama().llama_vocab_bos(self.vocab)
+
+    @property
     def eos(self) -> int:
         return llama().llama_vocab_eos(self.vocab)
 

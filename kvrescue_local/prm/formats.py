@@ -1,0 +1,49 @@
+"""How a PRM reads a trajectory: its prompt, where each step's reward is read, and its output.
+
+A format is data: the text before the first step, the text that closes each step (the
+reward is read from the hidden state at the last token of that closing text), and how the
+head's output becomes a reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import KVRescueError
+
+QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class PRMFormat:
+    name: str
+    prompt: str  # str.format template with {problem} and {bos}
+    step_end: str  # appended to each (stripped) step; the reward is read at its last token
+    output: str  # "softmax1": probability of class 1 of a 2-way head; "sigmoid": sigmoid of a 1-way head
+
+    def header(self, problem: str, bos: str) -> str:
+        return self.prompt.format(problem=problem, bos=bos)
+
+    def step_text(self, step: str) -> str:
+        return step.strip() + self.step_end
+
+
+FORMATS = {
+    # Qwen2.5-Math-PRM: chat template, steps joined by <extra_0> with a trailing one.
+    "qwen-prm": PRMFormat(
+        name="qwen-prm",
+        prompt=("<|im_start|>system\n" + QWEN_MATH_SYSTEM.replace("{", "{{").replace("}", "}}") + "<|im_end|>\n"
+                "<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"),
+        step_end="<extra_0>",
+        output="softmax1",
+    ),
+    # Skywork-o1-Open-PRM: bos + problem + "\n", each step closed by "\n", sigmoid value head.
+    "value-head": PRMFormat(name="value-head", prompt="{bos}{problem}\n", step_end="\n", output="sigmoid"),
+}
+
+
+def prm_format(name: str) -> PRMFormat:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise KVRescueError(f"unknown PRM format {name!r}: use one of {', '.join(sorted(FORMATS))}") from None

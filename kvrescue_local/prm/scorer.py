@@ -1,0 +1,143 @@
+"""Score candidate steps with a GGUF PRM backbone and its reward head.
+
+Sequence 0 holds the problem and the committed steps and is only ever extended; each round's
+candidates are forks of it (sequences 1..N) decoded together, with hidden states read at the
+last token of each candidate. Each segment (header, each step) is tokenized on its own, so a trajectory
+scored incrementally and one scored from scratch see the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import KVRescueError
+from ..runtime import Context, ContextParams, Model
+from .formats import prm_format
+from .head import RewardHead, head_path
+
+PREFIX = 0
+AGGREGATIONS = ("last", "min", "prod")
+
+
+@dataclass(frozen=True)
+class PRMParams:
+    n_ctx: int = 4096
+    max_candidates: int = 16
+    n_gpu_layers: int = 0
+    n_batch: int = 512
+    kv_type: str = "f16"
+    flash_attn: str = "auto"
+
+
+class PRM:
+    def __init__(self, path: str | Path, params: PRMParams = PRMParams()) -> None:
+        self.params = params
+        self.model = Model(path, n_gpu_layers=params.n_gpu_layers)
+        self.head = RewardHead.load(head_path(path), hidden_size=self.model.n_embd)
+        self.format = prm_format(self.head.format)
+        self.ctx = Context(self.model, ContextParams(
+            n_ctx=params.n_ctx, n_seq_max=params.max_candidates + 1, n_batch=params.n_batch,
+            kv_type=params.kv_type, flash_attn=params.flash_attn, embeddings=True))
+        self.bos = self.model.detokenize([self.model.bos])
+
+    # --- incremental scoring ----------------------------------------------
+    def start(self, problem: str) -> None:
+        """Forget everything and encode the problem's header."""
+        for seq in range(self.ctx.n_seq_max):
+            self.ctx.drop(seq)
+        self.ctx.prefill(PREFIX, self.model.tokenize(self.format.header(problem, self.bos)))
+
+    def score(self, steps: list[str]) -> np.ndarray:
+        """Reward of each candidate step given the committed trajectory.
+
+        Candidates are decoded together in groups of at most n_batch tokens, and each group's
+        sequences are dropped once read: in a unified KV cache every query attends over all
+        resident cells, so keeping earlier groups would make a round quadratic in its tokens.
+        """
+        if not steps:
+            return np.zeros(0, np.float32)
+        if len(steps) > self.params.max_candidates:
+            raise KVRescueError(f"{len(steps)} candidates exceed the PRM's max_candidates="
+                                f"{self.params.max_candidates}: raise it")
+        start = self.ctx.pos_max(PREFIX) + 1
+        pieces = [self.model.tokenize(self.format.step_text(s)) for s in steps]
+        self.check_room(start + max(len(p) for p in pieces), start)
+        hidden = []
+        for group in self.groups([len(p) for p in pieces]):
+            for seq, i in enumerate(group, start=1):
+                self.ctx.fork(PREFIX, seq)
+            tokens = np.concatenate([pieces[i] for i in group])
+            seq_ids = np.concatenate([np.full(len(pieces[i]), seq, np.int32) for seq, i in enumerate(group, start=1)])
+            positions = np.concatenate([start + np.arange(len(pieces[i]), dtype=np.int32) for i in group])
+            outputs = np.zeros(len(tokens), np.int8)
+            outputs[np.cumsum([len(pieces[i]) for i in group]) - 1] = 1
+            hidden.append(self.decode_hidden(tokens, positions, seq_ids, outputs))
+            self.drop_candidates()
+        return self.head.rewards(np.concatenate(hidden))
+
+    def groups(self, lengths: list[int]) -> list[list[int]]:
+        """Consecutive candidates packed into groups of at most n_batch tokens (a longer one stands alone)."""
+        groups, current, size = [], [], 0
+        for i, n in enumerate(lengths):
+            if current and size + n > self.params.n_batch:
+                groups.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += n
+        return groups + [current]
+
+    def commit(self, step: str) -> None:
+        """Append a step to the cached trajectory (encoded once, never again)."""
+        tokens = self.model.tokenize(self.format.step_text(step))
+        start = self.ctx.pos_max(PREFIX) + 1
+        self.check_room(start + len(tokens), start)
+        self.ctx.prefill(PREFIX, tokens)
+
+    def drop_candidates(self) -> None:
+        for seq in range(1, self.ctx.n_seq_max):
+            self.ctx.drop(seq)
+
+    # --- whole trajectories -------------------------------------------------
+    def score_trajectory(self, problem: str, steps: list[str]) -> np.ndarray:
+        """Per-step rewards of a whole trajectory encoded from scratch (resets the incremental state)."""
+        self.start(problem)
+        if not steps:
+            return np.zeros(0, np.float32)
+        start = self.ctx.pos_max(PREFIX) + 1
+        pieces = [self.model.tokenize(self.format.step_text(s)) for s in steps]
+        tokens = np.concatenate(pieces)
+        self.check_room(start + len(tokens), start)
+        outputs = np.zeros(len(tokens), np.int8)
+        outputs[np.cumsum([len(p) for p in pieces]) - 1] = 1
+        hidden = self.decode_hidden(tokens, start + np.arange(len(tokens), dtype=np.int32),
+                                    np.zeros(len(tokens), np.int32), outputs)
+        return self.head.rewards(hidden)
+
+    # --- plumbing -----------------------------------------------------------
+    def check_room(self, needed: int, prefix: int) -> None:
+        if needed > self.ctx.n_ctx:
+            raise KVRescueError(f"the PRM needs {needed} tokens (trajectory {prefix} + candidates) but its context "
+                                f"holds n_ctx={self.ctx.n_ctx}: raise the PRM context (--prm-ctx) or shorten the run")
+
+    def decode_hidden(self, tokens, positions, seq_ids, outputs) -> np.ndarray:
+        """Decode in n_batch chunks; hidden states of the rows flagged in outputs, in order."""
+        rows = []
+        step = self.params.n_batch
+        for offset in range(0, len(tokens), step):
+            chunk = slice(offset, offset + step)
+            self.ctx.decode(tokens[chunk], positions[chunk], seq_ids[chunk], outputs[chunk])
+            rows += [self.ctx.embedding(int(r)) for r in np.flatnonzero(outputs[chunk])]
+        return np.array(rows, dtype=np.float32)
+
+
+def aggregate(rewards, how: str = "last") -> float:
+    """One number for a whole trajectory from its step rewards."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    if how not in AGGREGATIONS:
+        raise KVRescueError(f"unknown aggregation {how!r}: use one of {', '.join(AGGREGATIONS)}")
+    if len(rewards) == 0:
+        raise KVRescueError("cannot aggregate the rewards of a trajectory with no steps")
+    return float({"last": rewards[-1], "min": rewards.min(), "prod": rewards.prod()}[how])
