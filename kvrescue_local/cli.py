@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -94,3 +97,99 @@ def convert_prm_command(src: Path, out: Path, dtype: str, quantize: str | None) 
     head = RewardHead.load(head_path(gguf))
     click.echo(f"wrote {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB) and {head_path(gguf).name}: "
                f"format {head.format}, hidden size {head.hidden_size}, {time.perf_counter() - started:.1f} s")
+
+
+def write_json_atomically(path: Path, data: dict) -> None:
+    """Complete file or none: a crash or Ctrl-C never leaves half a JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def one_line(text: str, width: int = 100) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+@main.command()
+@click.argument("problem", required=False)
+@click.option("--file", "problem_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="read the problem from a file")
+@click.option("--preset", default="tiny", show_default=True, help="model preset (overridden by --base/--helper/--prm)")
+@click.option("--base", type=click.Path(path_type=Path), help="base model GGUF (evicted)")
+@click.option("--helper", type=click.Path(path_type=Path), help="helper model GGUF (full context)")
+@click.option("--prm", type=click.Path(path_type=Path), help="PRM backbone GGUF (its .head.npz beside it)")
+@click.option("--mode", type=click.Choice(["full", "bon", "helper", "kvrescue"]), default="kvrescue", show_default=True)
+@click.option("-n", "--n", "n", type=int, default=8, show_default=True, help="candidates per model per round")
+@click.option("--budget", type=int, default=64, show_default=True, help="base KV budget (entries kept)")
+@click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction")
+@click.option("--policy", default="streaming", show_default=True, help="eviction policy")
+@click.option("--n-sink", type=int, default=4, show_default=True)
+@click.option("--window", type=int, default=8, show_default=True, help="recent entries always kept")
+@click.option("--protect-prompt", is_flag=True, help="never evict the prompt")
+@click.option("--temp", "temperature", type=float, default=0.7, show_default=True)
+@click.option("--top-p", type=float, default=0.8, show_default=True)
+@click.option("--seed", "-s", type=int, default=0, show_default=True)
+@click.option("--n-gpu-layers", "-ngl", type=int, default=0, show_default=True)
+@click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), default="off", show_default=True)
+@click.option("--max-tokens", type=int, default=4096, show_default=True, help="trajectory length cap")
+@click.option("--max-steps", type=int, default=512, show_default=True)
+@click.option("--max-step-tokens", type=int, default=256, show_default=True)
+@click.option("--tau-entropy", type=float, default=3.0, show_default=True, help="detector: mean entropy (nats) above which a base candidate dies")
+@click.option("--tau-compression", type=float, default=0.35, show_default=True, help="detector: zstd ratio below which a base candidate dies")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
+def solve(problem, problem_file, preset, base, helper, prm, mode, n, budget, buffer, policy, n_sink, window,
+          protect_prompt, temperature, top_p, seed, n_gpu_layers, flash_attn, max_tokens, max_steps, max_step_tokens,
+          tau_entropy, tau_compression, json_path) -> None:
+    """Solve one PROBLEM step by step, showing each committed step as it lands."""
+    from .detect import DetectorParams
+    from .eviction import KVBudget
+    from .presets import load_preset
+    from .prm import PRM, PRMParams
+    from .rescue import Rescue, RescueConfig
+    from .runtime import Model
+
+    if (problem is None) == (problem_file is None):
+        raise click.UsageError("give the problem as an argument or with --file, not both")
+    text = problem if problem is not None else problem_file.read_text()
+    config = RescueConfig(mode=mode, n=n, kv=KVBudget(budget=budget, buffer=buffer, n_sink=n_sink, window=window,
+                                                      policy=policy, protect_prompt=protect_prompt),
+                          detector=DetectorParams(tau_entropy=tau_entropy, tau_compression=tau_compression),
+                          max_tokens=max_tokens, max_steps=max_steps, max_step_tokens=max_step_tokens,
+                          temperature=temperature, top_p=top_p, seed=seed, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn)
+    chosen = load_preset(preset) if not (base and (helper or mode in ("full", "bon")) and prm) else None
+    paths = {"base": base or chosen.base, "helper": helper or chosen.helper, "prm": prm or chosen.prm}
+    if chosen and chosen.note:
+        click.echo(f"preset {chosen.name}: {chosen.note}", err=True)
+    base_model = Model(paths["base"], n_gpu_layers=n_gpu_layers) if config.uses_base else None
+    helper_model = Model(paths["helper"], n_gpu_layers=n_gpu_layers) if config.uses_helper else None
+    scorer = PRM(paths["prm"], PRMParams(n_ctx=max_tokens + 1024, max_candidates=config.candidates_per_round,
+                                         n_gpu_layers=n_gpu_layers, flash_attn=flash_attn))
+    engine = Rescue(config, base_model, helper_model, scorer)
+
+    def show(step: dict) -> None:
+        score = "  -  " if step["score"] is None else f"{step['score']:.3f}"
+        killed = sum(c["finished"] == "killed" for c in step["candidates"])
+        click.echo(f"[{step['round'] + 1:3d}] {step['source']:6s} {score} {'(' + str(killed) + ' killed) ' if killed else ''}"
+                   f"{one_line(step['text'])}")
+
+    try:
+        trajectory = engine.solve(text, on_step=show)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: stopped before the end, nothing written", err=True)
+        sys.exit(130)
+    record = trajectory.record()
+    sources = [s["source"] for s in record["steps"]]
+    t = record["timings"]
+    decode = sum(v for k, v in t.items() if k.startswith("decode_"))
+    click.echo(f"answer: {record['answer'] if record['answer'] is not None else '(none)'}  (stop: {record['stop']})")
+    click.echo(f"{record['n_steps']} steps (base {sources.count('base')}, helper {sources.count('helper')}); tokens base "
+               f"{record['tokens']['base']}, helper {record['tokens']['helper']}; early exits "
+               f"{100 * record['early_exit_fraction']:.1f}%; {t['total']:.2f} s (decode {decode:.2f}, PRM {t['prm']:.2f}, "
+               f"other {t['orchestration']:.2f})")
+    if json_path:
+        write_json_atomically(json_path, record)
+        click.echo(f"trajectory written to {json_path}")
+if __name__ == "__main__":
+    main()

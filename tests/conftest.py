@@ -2,9 +2,10 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from kvrescue_local.gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
+from kvrescue_local.gguf_export import TINY_BASE, TINY_HELPER, random_qwen2_weights, write_qwen2_gguf, write_tiny_model
 from kvrescue_local.runtime import Model
 
 
@@ -37,3 +38,44 @@ def helper_model(helper_path):
 def one_layer_model(tiny_dir):
     """With one layer a token's K/V depend on nothing but the token and its position."""
     return Model(write_tiny_model(tiny_dir / "one-layer.gguf", dataclasses.replace(TINY_BASE, n_layer=1), seed=3))
+
+
+def constant_model(path, favourite: int | None):
+    """A model whose next-token distribution never changes: all tokens share one embedding and every
+    block is zero, so the final hidden state is constant. favourite=None gives uniform logits
+    (maximal entropy); otherwise that token gets a logit margin of 12 (a repetition loop)."""
+    shape = TINY_HELPER
+    weights = random_qwen2_weights(shape, seed=0)
+    for name in weights:
+        if name.startswith("blk.") and not name.endswith("norm.weight"):
+            weights[name] = np.zeros_like(weights[name])
+    weights["token_embd.weight"] = np.ones_like(weights["token_embd.weight"])
+    output = np.zeros_like(weights["token_embd.weight"])
+    if favourite is not None:
+        output[favourite] = 12.0 / np.sqrt(shape.n_embd)  # the normalised hidden state is all ones
+    weights["output.weight"] = output
+    return Model(write_qwen2_gguf(path, shape, weights))
+
+
+@pytest.fixture(scope="session")
+def looping_model(tiny_dir):
+    return constant_model(tiny_dir / "loop.gguf", favourite=ord("a"))
+
+
+@pytest.fixture(scope="session")
+def uniform_model(tiny_dir):
+    return constant_model(tiny_dir / "uniform.gguf", favourite=None)
+
+
+@pytest.fixture(scope="session")
+def tiny_prm_path(tiny_dir):
+    from kvrescue_local.presets import tiny_preset
+
+    return tiny_preset(tiny_dir / "preset").prm
+
+
+@pytest.fixture(scope="session")
+def tiny_prm(tiny_prm_path):
+    from kvrescue_local.prm import PRM, PRMParams
+
+    return PRM(tiny_prm_path, PRMParams(n_ctx=2048, max_candidates=16))

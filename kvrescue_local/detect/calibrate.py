@@ -1,7 +1,8 @@
 """Fit the detector's thresholds from unlabeled candidate statistics.
 
-Both signals are bimodal, so Otsu's two-class split of each finds the threshold; its
-separability (between-class over total variance) says whether two modes were there at all.
+Both signals are bimodal: Otsu's two-class split of each finds the two modes, and the
+threshold sits in the middle of the gap between them. The split's separability
+(between-class over total variance) says whether two modes were there at all.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def otsu_threshold(values, bins: int = 256) -> tuple[float, float]:
     mu1 = (m0[-1] - m0) / np.maximum(w1, 1)
     between = w0 * w1 * (mu0 - mu1) ** 2 / w0[-1] ** 2
     k = int(np.argmax(between[:-1]))
-    return float(edges[k + 1]), float(between[k] / x.var())
+    cut = edges[k + 1]
+    # Otsu's cut leans towards the larger class; the middle of the gap between the classes does not.
+    threshold = (x[x <= cut].max() + x[x > cut].min()) / 2
+    return float(threshold), float(between[k] / x.var())
 
 
 def calibrate(stats: list[dict], params: DetectorParams = DetectorParams()) -> tuple[DetectorParams, dict]:

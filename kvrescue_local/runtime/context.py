@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,6 +102,7 @@ class Context:
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd
         self.batch = Batch(params.n_batch)
+        self.decode_seconds = 0.0  # wall time inside llama_decode, for cost reports
         self._decode = low.llama_decode
         self._logits_ith = low.llama_get_logits_ith
         self._embeddings_ith = low.llama_get_embeddings_ith
@@ -176,7 +178,9 @@ class Context:
         if n > self.batch.capacity:
             raise KVRescueError(f"a batch of {n} tokens exceeds n_batch={self.batch.capacity}")
         self.batch.fill(tokens, positions, seq_ids, outputs)
+        started = time.perf_counter()
         status = self._decode(self.handle, self.batch.struct)
+        self.decode_seconds += time.perf_counter() - started
         if status == 1:
             raise KVRescueError(f"the KV cache is full: no room for {n} more tokens in n_ctx={self.n_ctx} cells; "
                                 "raise n_ctx, lower the number of sequences, or evict")

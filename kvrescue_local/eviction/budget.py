@@ -1,0 +1,119 @@
+"""The KV budget: when a sequence's resident cells reach budget + buffer, evict back to budget.
+
+Token-level eviction (one keep-set for all layers and heads) through `seq_rm` over runs of
+positions. The sinks, the recent window (which holds the newest position: the next token must
+sit at pos_max + 1) and, optionally, the prompt are always kept; the policy's scores choose the
+rest. Works per sequence, so N candidates decoding in one batch are budgeted independently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import KVRescueError
+from ..runtime import Context
+from .base import EvictionInputs, Policy, make_policy
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    budget: int = 64
+    buffer: int = 128
+    n_sink: int = 4
+    window: int = 8  # recent entries always kept; also the observation window of attention policies
+    policy: str = "streaming"
+    protect_prompt: bool = False
+
+    def __post_init__(self) -> None:
+        make_policy(self.policy)
+        if self.n_sink < 0 or self.window < 1 or self.buffer < 1:
+            raise KVRescueError("KV budget needs n_sink >= 0, window >= 1 and buffer >= 1")
+        if self.budget <= self.n_sink + self.window:
+            raise KVRescueError(f"KV budget {self.budget} leaves no room for the policy: it must exceed sinks "
+                                f"({self.n_sink}) + window ({self.window}); raise --budget or lower --window")
+
+    @property
+    def limit(self) -> int:
+        """Resident cells that trigger eviction (the most a sequence ever holds)."""
+        return self.budget + self.buffer
+
+    def context_cells(self, n_sequences: int, batch: int) -> int:
+        """Cells a context needs so that n_sequences each hold up to `limit` entries, plus one decode batch."""
+        return n_sequences * self.limit + batch
+
+    def check_context(self, ctx: Context, n_sequences: int) -> None:
+        needed = self.context_cells(n_sequences, ctx.batch.capacity)
+        if ctx.n_ctx < needed:
+            raise KVRescueError(f"base context n_ctx={ctx.n_ctx} is too small for {n_sequences} sequences of "
+                                f"budget {self.budget} + buffer {self.buffer}: it needs {needed}; raise the base context")
+
+    def keep(self, positions: np.ndarray, scores: np.ndarray, n_prompt: int) -> np.ndarray:
+        """Boolean mask over positions: exactly `budget` entries (or all, if fewer) kept."""
+        n = len(positions)
+        if n <= self.budget:
+            return np.ones(n, bool)
+        forced = np.zeros(n, bool)
+        forced[: self.n_sink] = True
+        forced[-self.window:] = True
+        if self.protect_prompt:
+            forced |= positions < n_prompt
+        room = self.budget - int(forced.sum())
+        if room < 0:
+            raise KVRescueError(f"the protected prompt ({n_prompt} tokens) does not fit in KV budget {self.budget}: "
+                                "raise --budget or drop --protect-prompt")
+        candidates = np.flatnonzero(~forced)
+        # stable order: among equal scores the newer entry wins
+        order = candidates[np.lexsort((positions[candidates], scores[candidates]))[::-1]]
+        kept = forced.copy()
+        kept[order[:room]] = True
+        return kept
+
+
+def evicted_runs(positions: np.ndarray, kept: np.ndarray) -> list[tuple[int, int]]:
+    """[p0, p1) ranges covering exactly the positions not kept (absent positions in between are harmless)."""
+    runs = []
+    start = None
+    for pos, keep in zip(positions.tolist(), kept.tolist()):
+        if not keep and start is None:
+            start = pos
+        elif keep and start is not None:
+            runs.append((start, last + 1))
+            start = None
+        last = pos
+    if start is not None:
+        runs.append((start, last + 1))
+    return runs
+
+
+@dataclass
+class BudgetedSequences:
+    """Applies a KVBudget to the sequences of one context; holds the per-sequence attention history."""
+
+    ctx: Context
+    config: KVBudget
+    n_prompt: int = 0
+    policy: Policy = field(init=False)
+    evictions: int = 0
+
+    def __post_init__(self) -> None:
+        self.policy = make_policy(self.config.policy)
+        if not self.ctx.model.supports_partial_removal:
+            raise KVRescueError(f"{self.ctx.model.path.name} is a recurrent or hybrid model: its memory cannot "
+                                "drop single positions, so KV eviction needs a pure-attention model")
+        if self.policy.needs_attention:
+            raise KVRescueError(f"policy {self.config.policy!r} needs attention scores from llama.cpp, which this "
+                                "build does not provide yet: use --policy streaming")
+
+    def enforce(self, seq_id: int) -> bool:
+        """Evict seq_id back to the budget if it reached budget + buffer; True if it evicted."""
+        if self.ctx.n_cells(seq_id) < self.config.limit:
+            return False
+        _, positions = self.ctx.cells(seq_id)
+        inputs = EvictionInputs(positions=positions)
+        kept = self.config.keep(positions, self.policy.score(inputs), self.n_prompt)
+        for p0, p1 in evicted_runs(positions, kept):
+            self.ctx.remove(seq_id, p0, p1)
+        self.evictions += 1
+        return True

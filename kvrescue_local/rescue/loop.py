@@ -1,0 +1,185 @@
+"""The KV-Rescue loop: rounds of candidate steps from the evicted base and the full-context helper,
+degenerate base candidates killed early, the PRM's favourite committed to one shared trajectory.
+
+Modes share this machinery: `full` (base, no eviction), `bon` (base with eviction), `helper`
+(helper alone) and `kvrescue` (both, with the detector on the base).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..detect import Detector
+from ..errors import KVRescueError
+from ..prm import PRM
+from ..runtime import Model, SamplingParams
+from .config import RescueConfig
+from .generator import Candidate, Generator
+
+SIDES = ("base", "helper")
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (balanced braces), or None."""
+    found = None
+    for match in re.finditer(r"\\boxed\s*\{", text):
+        depth, i = 1, match.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            found = text[match.end():i - 1]
+    return found
+
+
+def check_compatible(base: Model, helper: Model) -> bool:
+    """Refuse models that cannot share one trajectory; True when their vocabularies are identical."""
+    for token in CHAT_TOKENS:
+        for model in (base, helper):
+            if len(model.tokenize(token)) != 1:
+                raise KVRescueError(f"{model.path.name} has no {token} control token: base and helper must share the "
+                                    "Qwen chat template (use a base and helper of the same family)")
+    if base.token_bytes(base.eos) != helper.token_bytes(helper.eos):
+        raise KVRescueError(f"base and helper end generation with different tokens ({base.token_bytes(base.eos)!r} vs "
+                            f"{helper.token_bytes(helper.eos)!r}): use a base and helper of the same family")
+    return base.n_vocab == helper.n_vocab and all(
+        base.token_bytes(t) == helper.token_bytes(t) for t in range(base.n_vocab))
+
+
+@dataclass
+class Trajectory:
+    problem: str
+    config: dict
+    steps: list[dict] = field(default_factory=list)
+    stop: str = ""
+    answer: str | None = None
+    tokens: dict = field(default_factory=lambda: {"base": 0, "helper": 0, "committed": 0})
+    base_cells: list[dict] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return "".join(s["text"] for s in self.steps)
+
+    def record(self) -> dict:
+        base_candidates = [c for s in self.steps for c in s["candidates"] if c["side"] == "base"]
+        killed = sum(c["finished"] == "killed" for c in base_candidates)
+        return {"problem": self.problem, "answer": self.answer, "stop": self.stop, "text": self.text,
+                "n_steps": len(self.steps), "tokens": self.tokens,
+                "early_exit_fraction": killed / len(base_candidates) if base_candidates else 0.0,
+                "base_cells": self.base_cells, "timings": self.timings, "config": self.config, "steps": self.steps}
+
+
+class Rescue:
+    """Runs problems through one mode; models, contexts and the PRM are created once and reused."""
+
+    def __init__(self, config: RescueConfig, base: Model | None = None, helper: Model | None = None,
+                 prm: PRM | None = None, prompt_tokens_max: int = 512) -> None:
+        self.config = config
+        if config.uses_base and base is None:
+            raise KVRescueError(f"mode {config.mode} needs a base model: pass --base")
+        if config.uses_helper and helper is None:
+            raise KVRescueError(f"mode {config.mode} needs a helper model: pass --helper")
+        if prm is None and config.candidates_per_round > 1:
+            raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
+                                "them: pass --prm (or use N=1)")
+        self.same_vocab = check_compatible(base, helper) if config.mode == "kvrescue" else False
+        self.prm = prm
+        sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+        full_ctx = prompt_tokens_max + config.max_tokens + config.n * config.max_step_tokens + config.n_batch
+        if config.helper_ctx:
+            if config.helper_ctx < full_ctx:
+                raise KVRescueError(f"helper context {config.helper_ctx} cannot hold the prompt ({prompt_tokens_max}) + "
+                                    f"max length ({config.max_tokens}) + {config.n} candidates of "
+                                    f"{config.max_step_tokens} tokens: it needs {full_ctx}; raise it or lower --max-tokens")
+            full_ctx = config.helper_ctx
+        common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
+                      flash_attn=config.flash_attn, kv_type=config.kv_type)
+        self.sides: dict[str, Generator] = {}
+        if config.uses_base:
+            kv = config.kv if config.evicts else None
+            n_ctx = kv.context_cells(config.n + 1, config.n_batch) if kv else full_ctx
+            self.sides["base"] = Generator("base", base, config.n, n_ctx, kv, **common)
+        if config.uses_helper:
+            self.sides["helper"] = Generator("helper", helper, config.n, full_ctx, None, **common)
+        self.detector = Detector(config.detector) if config.mode == "kvrescue" else None
+        self.prompt_tokens_max = prompt_tokens_max
+
+    def solve(self, problem: str, on_step: Callable[[dict], None] | None = None) -> Trajectory:
+        cfg = self.config
+        started = time.perf_counter()
+        decode_before = {name: g.ctx.decode_seconds for name, g in self.sides.items()}
+        prm_seconds = 0.0
+        prompt = cfg.prompt.format(problem=problem)
+        traj = Trajectory(problem, cfg.as_dict())
+        for name, gen in self.sides.items():
+            tokens = gen.model.tokenize(prompt)
+            if len(tokens) > self.prompt_tokens_max:
+                raise KVRescueError(f"the problem is {len(tokens)} tokens long, over the {self.prompt_tokens_max} "
+                                    "reserved for the prompt: shorten it or raise prompt_tokens_max")
+            gen.start(tokens)
+        if self.prm:
+            self.prm.start(problem)
+        tail = b""
+        for round_index in range(cfg.max_steps):
+            candidates: list[Candidate] = []
+            for side_index, (name, gen) in enumerate(self.sides.items()):
+                detector = self.detector if name == "base" else None
+                candidates += gen.propose(cfg.seed * 1_000_003 + round_index * 2 + side_index, detector, tail)
+            survivors = [c for c in candidates if not c.killed]
+            if not survivors:
+                traj.stop = "all_killed"
+                break
+            if self.prm and len(survivors) > 1:
+                t0 = time.perf_counter()
+                for cand, score in zip(survivors, self.prm.score([c.content for c in survivors])):
+                    cand.score = float(score)
+                prm_seconds += time.perf_counter() - t0
+            winner = max(survivors, key=lambda c: c.score if c.score is not None else 0.0)
+            self.commit(winner)
+            if self.prm:
+                t0 = time.perf_counter()
+                self.prm.commit(winner.content)
+                prm_seconds += time.perf_counter() - t0
+            tail = (tail + bytes(winner.text))[-cfg.detector.text_window:]
+            step = {"round": round_index, "text": winner.content, "source": winner.side, "score": winner.score,
+                    "finished": winner.finished, "candidates": [c.record() for c in candidates]}
+            traj.steps.append(step)
+            traj.tokens["committed"] += len(winner.tokens)
+            if "base" in self.sides:
+                base = self.sides["base"]
+                traj.base_cells.append({"committed": base.resident_cells(), "max_candidate": base.peak_cells})
+            if on_step:
+                on_step(step)
+            if winner.finished == "eos":
+                traj.stop = "eos"
+                break
+            if traj.tokens["committed"] >= cfg.max_tokens:
+                traj.stop = "max_tokens"
+                break
+        else:
+            traj.stop = "max_steps"
+        traj.answer = last_boxed(traj.text)
+        for name, gen in self.sides.items():
+            traj.tokens[name] = gen.tokens_generated
+        decode = {name: g.ctx.decode_seconds - decode_before[name] for name, g in self.sides.items()}
+        total = time.perf_counter() - started
+        traj.timings = {**{f"decode_{k}": round(v, 4) for k, v in decode.items()}, "prm": round(prm_seconds, 4),
+                        "orchestration": round(total - sum(decode.values()) - prm_seconds, 4), "total": round(total, 4)}
+        return traj
+
+    def commit(self, winner: Candidate) -> None:
+        """Every side continues from the winner: its own side keeps the sequence, the others encode the text."""
+        for name, gen in self.sides.items():
+            if name == winner.side:
+                gen.commit_own(winner)
+            elif self.same_vocab:
+                gen.commit_foreign([t for t in winner.tokens if not gen.model.is_eog(t)])
+            else:
+                gen.commit_foreign(gen.model.tokenize(winner.content, special=False))

@@ -1,0 +1,149 @@
+"""The KV-Rescue loop and `kvrescue-local solve` on the tiny models through llama.cpp."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvrescue_local.cli import main
+from kvrescue_local.detect import DetectorParams
+from kvrescue_local.errors import KVRescueError
+from kvrescue_local.eviction import KVBudget
+from kvrescue_local.gguf_export import TINY_HELPER, Vocab, byte_vocab, random_qwen2_weights, write_qwen2_gguf
+from kvrescue_local.rescue import MODES, Rescue, RescueConfig, last_boxed
+from kvrescue_local.runtime import Model
+
+PROBLEM = "Let a=17 and b=25. What is a+b?"
+NO_KILL = DetectorParams(tau_entropy=50.0, tau_compression=0.01)  # random weights have near-uniform logits
+
+
+def config(**overrides):
+    base = dict(n=3, kv=KVBudget(budget=32, buffer=16, n_sink=4, window=8), detector=NO_KILL, max_tokens=240,
+                max_step_tokens=24, temperature=1.0, top_p=0.95, seed=1)
+    base.update(overrides)
+    return RescueConfig(**base)
+
+
+def strip_timings(record):
+    return {k: v for k, v in record.items() if k != "timings"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_runs_end_to_end(mode, base_model, helper_model, tiny_prm):
+    cfg = config(mode=mode)
+    record = Rescue(cfg, base_model, helper_model, tiny_prm).solve(PROBLEM).record()
+    json.dumps(record)  # serialisable as is
+    assert record["stop"] in ("eos", "max_tokens", "max_steps") and record["n_steps"] >= 1
+    expected_sides = {"full": {"base"}, "bon": {"base"}, "helper": {"helper"}, "kvrescue": {"base", "helper"}}[mode]
+    for step in record["steps"]:
+        assert len(step["candidates"]) == cfg.candidates_per_round
+        assert {c["side"] for c in step["candidates"]} == expected_sides
+        scored = [c["score"] for c in step["candidates"] if c["finished"] != "killed"]
+        assert step["score"] == max(scored)
+        assert step["text"] in [c["text"] for c in step["candidates"] if c["side"] == step["source"]]
+    assert record["text"] == "".join(s["text"] for s in record["steps"])
+    for side in ("base", "helper"):
+        assert (record["tokens"][side] > 0) == (side in expected_sides)
+    assert set(record["timings"]) >= {"prm", "orchestration", "total"}
+    if mode == "kvrescue":
+        assert {s["source"] for s in record["steps"]} == {"base", "helper"}, "both models contribute steps"
+
+
+def test_the_same_seed_gives_the_same_trajectory(base_model, helper_model, tiny_prm):
+    engine = Rescue(config(), base_model, helper_model, tiny_prm)
+    first = strip_timings(engine.solve(PROBLEM).record())
+    again = strip_timings(engine.solve(PROBLEM).record())
+    fresh = strip_timings(Rescue(config(), base_model, helper_model, tiny_prm).solve(PROBLEM).record())
+    other = strip_timings(Rescue(config(seed=8), base_model, helper_model, tiny_prm).solve(PROBLEM).record())
+    assert first == again == fresh
+    assert other["text"] != first["text"]
+
+
+def test_base_cells_never_exceed_budget_plus_buffer(base_model, helper_model, tiny_prm):
+    cfg = config(mode="bon", max_tokens=600, max_step_tokens=64)
+    record = Rescue(cfg, base_model, helper_model, tiny_prm).solve(PROBLEM).record()
+    cells = record["base_cells"]
+    assert len(cells) == record["n_steps"]
+    assert max(c["max_candidate"] for c in cells) == cfg.kv.limit, "candidates fill up to the limit, then evict"
+    assert all(c["committed"] <= cfg.kv.limit for c in cells)
+
+
+def test_the_detector_kills_a_looping_base_and_the_helper_rescues(looping_model, helper_model, tiny_prm):
+    cfg = config(detector=DetectorParams(), max_step_tokens=300, max_tokens=200)
+    record = Rescue(cfg, looping_model, helper_model, tiny_prm).solve(PROBLEM).record()
+    base = [c for s in record["steps"] for c in s["candidates"] if c["side"] == "base"]
+    assert all(c["finished"] == "killed" and c["detector"]["killed"] == "repetition" for c in base)
+    assert record["early_exit_fraction"] == 1.0
+    assert {s["source"] for s in record["steps"]} == {"helper"}
+
+
+def test_last_boxed_answer():
+    assert last_boxed("so \\boxed{1} then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
+    assert last_boxed("no answer") is None
+    assert last_boxed("\\boxed{unclosed") is None
+
+
+def model_without_chat_tokens(path):
+    vocab = byte_vocab()
+    keep = [i for i, t in enumerate(vocab.tokens) if t != "<|im_start|>"]
+    reduced = Vocab([vocab.tokens[i] for i in keep], [vocab.types[i] for i in keep], vocab.merges)
+    weights = random_qwen2_weights(TINY_HELPER, seed=4)
+    weights["token_embd.weight"] = weights["token_embd.weight"][keep]
+    return Model(write_qwen2_gguf(path, TINY_HELPER, weights, vocab=reduced))
+
+
+def test_bad_input(base_model, helper_model, tiny_prm, tmp_path):
+    with pytest.raises(KVRescueError, match="no <\\|im_start\\|> control token.*same family"):
+        Rescue(config(), base_model, model_without_chat_tokens(tmp_path / "odd.gguf"), tiny_prm)
+    with pytest.raises(KVRescueError, match="helper context 300 cannot hold.*raise it or lower --max-tokens"):
+        Rescue(config(helper_ctx=300), base_model, helper_model, tiny_prm)
+    with pytest.raises(KVRescueError, match="N must be at least 1"):
+        config(n=0)
+    with pytest.raises(KVRescueError, match="unknown eviction policy"):
+        config(kv=KVBudget(policy="fifo"))
+    with pytest.raises(KVRescueError, match="need a PRM"):
+        Rescue(config(), base_model, helper_model, None)
+    with pytest.raises(KVRescueError, match="needs a helper model"):
+        Rescue(config(), base_model, None, tiny_prm)
+
+
+def solve_args(base_path, helper_path, tiny_prm_path, *extra):
+    return ["solve", PROBLEM, "--base", str(base_path), "--helper", str(helper_path), "--prm", str(tiny_prm_path),
+            "-n", "2", "--budget", "32", "--buffer", "16", "--max-tokens", "150", "--max-step-tokens", "24",
+            "--tau-entropy", "50", *extra]
+
+
+def test_solve_streams_steps_and_writes_the_trajectory(base_path, helper_path, tiny_prm_path, tmp_path):
+    out = tmp_path / "run" / "trajectory.json"
+    result = CliRunner().invoke(main, solve_args(base_path, helper_path, tiny_prm_path, "--json", str(out)))
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    lines = [l for l in result.output.splitlines() if l.startswith("[")]
+    assert len(lines) == record["n_steps"] and all(("base" in l) or ("helper" in l) for l in lines)
+    assert "answer:" in result.output and "early exits" in result.output
+    bad = CliRunner().invoke(main, solve_args(base_path, helper_path, tiny_prm_path, "--policy", "fifo"))
+    assert bad.exit_code != 0 and "Error: unknown eviction policy 'fifo'" in bad.output and "Traceback" not in bad.output
+    bad = CliRunner().invoke(main, solve_args(base_path, helper_path, tiny_prm_path, "-n", "0"))
+    assert bad.exit_code != 0 and "N must be at least 1" in bad.output
+
+
+def test_ctrl_c_during_solve_leaves_no_output_file(base_path, helper_path, tiny_prm_path, tmp_path):
+    out = tmp_path / "trajectory.json"
+    args = solve_args(base_path, helper_path, tiny_prm_path, "--json", str(out))
+    args[args.index("--max-tokens") + 1] = "100000"
+    args[args.index("--max-step-tokens") + 1] = "200"
+    args += ["--max-steps", "100000", "--mode", "full", "--n", "8"]
+    proc = subprocess.Popen([sys.executable, "-m", "kvrescue_local.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout.readline().startswith("[  1]"), "the first step was shown"
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    assert not out.exists() and not list(tmp_path.glob(".*tmp"))
