@@ -182,14 +182,12 @@ def solve(problem, problem_file, preset, base, helper, prm, mode, n, budget, buf
     record = trajectory.record()
     sources = [s["source"] for s in record["steps"]]
     t = record["timings"]
-    decode = sum(v for k, v in t.items() if k.startswith("decode_"))
+    in_llama = sum(v for k, v in t.items() if k.startswith("llama_"))
     click.echo(f"answer: {record['answer'] if record['answer'] is not None else '(none)'}  (stop: {record['stop']})")
     click.echo(f"{record['n_steps']} steps (base {sources.count('base')}, helper {sources.count('helper')}); tokens base "
                f"{record['tokens']['base']}, helper {record['tokens']['helper']}; early exits "
-               f"{100 * record['early_exit_fraction']:.1f}%; {t['total']:.2f} s (decode {decode:.2f}, PRM {t['prm']:.2f}, "
+               f"{100 * record['early_exit_fraction']:.1f}%; {t['total']:.2f} s (llama.cpp {in_llama:.2f}, PRM {t['prm']:.2f}, "
                f"other {t['orchestration']:.2f})")
     if json_path:
         write_json_atomically(json_path, record)
         click.echo(f"trajectory written to {json_path}")
-if __name__ == "__main__":
-    main()

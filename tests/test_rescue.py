@@ -139,7 +139,7 @@ def test_ctrl_c_during_solve_leaves_no_output_file(base_path, helper_path, tiny_
     args[args.index("--max-tokens") + 1] = "100000"
     args[args.index("--max-step-tokens") + 1] = "200"
     args += ["--max-steps", "100000", "--mode", "full", "--n", "8"]
-    proc = subprocess.Popen([sys.executable, "-m", "kvrescue_local.cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "kvrescue_local", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout.readline().startswith("[  1]"), "the first step was shown"
     proc.send_signal(signal.SIGINT)

@@ -101,6 +101,11 @@ class Generator:
             if self.budget:
                 self.budget.enforce(COMMITTED)
 
+    @property
+    def llama_seconds(self) -> float:
+        """Time spent inside llama.cpp (decoding and sampling) so far."""
+        return self.ctx.decode_seconds + self.ctx.sample_seconds
+
     def resident_cells(self, seq: int = COMMITTED) -> int:
         return self.ctx.n_cells(seq)
 

@@ -114,7 +114,7 @@ class Rescue:
     def solve(self, problem: str, on_step: Callable[[dict], None] | None = None) -> Trajectory:
         cfg = self.config
         started = time.perf_counter()
-        decode_before = {name: g.ctx.decode_seconds for name, g in self.sides.items()}
+        llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
         prm_seconds = 0.0
         prompt = cfg.prompt.format(problem=problem)
         traj = Trajectory(problem, cfg.as_dict())
@@ -168,10 +168,10 @@ class Rescue:
         traj.answer = last_boxed(traj.text)
         for name, gen in self.sides.items():
             traj.tokens[name] = gen.tokens_generated
-        decode = {name: g.ctx.decode_seconds - decode_before[name] for name, g in self.sides.items()}
+        in_llama = {name: g.llama_seconds - llama_before[name] for name, g in self.sides.items()}
         total = time.perf_counter() - started
-        traj.timings = {**{f"decode_{k}": round(v, 4) for k, v in decode.items()}, "prm": round(prm_seconds, 4),
-                        "orchestration": round(total - sum(decode.values()) - prm_seconds, 4), "total": round(total, 4)}
+        traj.timings = {**{f"llama_{k}": round(v, 4) for k, v in in_llama.items()}, "prm": round(prm_seconds, 4),
+                        "orchestration": round(total - sum(in_llama.values()) - prm_seconds, 4), "total": round(total, 4)}
         return traj
 
     def commit(self, winner: Candidate) -> None:

@@ -103,6 +103,7 @@ class Context:
         self.n_embd = model.n_embd
         self.batch = Batch(params.n_batch)
         self.decode_seconds = 0.0  # wall time inside llama_decode, for cost reports
+        self.sample_seconds = 0.0  # wall time in llama.cpp's samplers (see Sampler.sample)
         self._decode = low.llama_decode
         self._logits_ith = low.llama_get_logits_ith
         self._embeddings_ith = low.llama_get_embeddings_ith

@@ -48,6 +48,7 @@ class Model:
             raise KVRescueError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "
                                 "architecture this llama.cpp does not know; download or convert it again")
         self.vocab = low.llama_model_get_vocab(self.handle)
+        self._pieces: dict[int, bytes] = {}
 
     def free(self) -> None:
         if getattr(self, "handle", None):
@@ -123,4 +124,8 @@ class Model:
             capacity = -n
 
     def token_bytes(self, token: int) -> bytes:
-        return self.detokenize_bytes([token])
+        """The bytes of one token (cached: called for every sampled token)."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.detokenize_bytes([token])
+        return piece

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ..errors import KVRescueError
@@ -45,8 +46,13 @@ class Sampler:
         low.llama_sampler_chain_add(self.handle, low.llama_sampler_init_dist(params.seed & 0xFFFFFFFF))
 
     def sample(self, context, row: int) -> int:
-        """Draw a token from batch row `row` of context's last decode (the chain accepts it)."""
-        return llama().llama_sampler_sample(self.handle, context.handle, row)
+        """Draw a token from batch row `row` of context's last decode (the chain accepts it).
+
+        The time spent is added to context.sample_seconds (llama.cpp's share of the work)."""
+        started = time.perf_counter()
+        token = llama().llama_sampler_sample(self.handle, context.handle, row)
+        context.sample_seconds += time.perf_counter() - started
+        return token
 
     def free(self) -> None:
         if getattr(self, "handle", None):
