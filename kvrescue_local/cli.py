@@ -14,6 +14,7 @@ import click
 import numpy as np
 
 from .errors import KVRescueError
+from .options import open_models, search_options, template_config
 
 
 class ProjectErrorsAsOneLine(click.Group):
@@ -116,57 +117,24 @@ def one_line(text: str, width: int = 100) -> str:
 @click.argument("problem", required=False)
 @click.option("--file", "problem_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="read the problem from a file")
-@click.option("--preset", default="tiny", show_default=True, help="model preset (overridden by --base/--helper/--prm)")
-@click.option("--base", type=click.Path(path_type=Path), help="base model GGUF (evicted)")
-@click.option("--helper", type=click.Path(path_type=Path), help="helper model GGUF (full context)")
-@click.option("--prm", type=click.Path(path_type=Path), help="PRM backbone GGUF (its .head.npz beside it)")
 @click.option("--mode", type=click.Choice(["full", "bon", "helper", "kvrescue"]), default="kvrescue", show_default=True)
 @click.option("-n", "--n", "n", type=int, default=8, show_default=True, help="candidates per model per round")
 @click.option("--budget", type=int, default=64, show_default=True, help="base KV budget (entries kept)")
-@click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction")
 @click.option("--policy", default="streaming", show_default=True, help="eviction policy")
-@click.option("--n-sink", type=int, default=4, show_default=True)
-@click.option("--window", type=int, default=8, show_default=True, help="recent entries always kept")
-@click.option("--protect-prompt", is_flag=True, help="never evict the prompt")
-@click.option("--temp", "temperature", type=float, default=0.7, show_default=True)
-@click.option("--top-p", type=float, default=0.8, show_default=True)
-@click.option("--seed", "-s", type=int, default=0, show_default=True)
-@click.option("--n-gpu-layers", "-ngl", type=int, default=0, show_default=True)
-@click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), default="off", show_default=True)
-@click.option("--max-tokens", type=int, default=4096, show_default=True, help="trajectory length cap")
-@click.option("--max-steps", type=int, default=512, show_default=True)
-@click.option("--max-step-tokens", type=int, default=256, show_default=True)
-@click.option("--tau-entropy", type=float, default=3.0, show_default=True, help="detector: mean entropy (nats) above which a base candidate dies")
-@click.option("--tau-compression", type=float, default=0.35, show_default=True, help="detector: zstd ratio below which a base candidate dies")
+@search_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
-def solve(problem, problem_file, preset, base, helper, prm, mode, n, budget, buffer, policy, n_sink, window,
-          protect_prompt, temperature, top_p, seed, n_gpu_layers, flash_attn, max_tokens, max_steps, max_step_tokens,
-          tau_entropy, tau_compression, json_path) -> None:
+def solve(problem, problem_file, mode, n, budget, policy, json_path, **options) -> None:
     """Solve one PROBLEM step by step, showing each committed step as it lands."""
-    from .detect import DetectorParams
-    from .eviction import KVBudget
-    from .presets import load_preset
-    from .prm import PRM, PRMParams
-    from .rescue import Rescue, RescueConfig
-    from .runtime import Model
+    from .rescue import Rescue, longest_prompt
 
     if (problem is None) == (problem_file is None):
         raise click.UsageError("give the problem as an argument or with --file, not both")
     text = problem if problem is not None else problem_file.read_text()
-    config = RescueConfig(mode=mode, n=n, kv=KVBudget(budget=budget, buffer=buffer, n_sink=n_sink, window=window,
-                                                      policy=policy, protect_prompt=protect_prompt),
-                          detector=DetectorParams(tau_entropy=tau_entropy, tau_compression=tau_compression),
-                          max_tokens=max_tokens, max_steps=max_steps, max_step_tokens=max_step_tokens,
-                          temperature=temperature, top_p=top_p, seed=seed, n_gpu_layers=n_gpu_layers, flash_attn=flash_attn)
-    chosen = load_preset(preset) if not (base and (helper or mode in ("full", "bon")) and prm) else None
-    paths = {"base": base or chosen.base, "helper": helper or chosen.helper, "prm": prm or chosen.prm}
-    if chosen and chosen.note:
-        click.echo(f"preset {chosen.name}: {chosen.note}", err=True)
-    base_model = Model(paths["base"], n_gpu_layers=n_gpu_layers) if config.uses_base else None
-    helper_model = Model(paths["helper"], n_gpu_layers=n_gpu_layers) if config.uses_helper else None
-    scorer = PRM(paths["prm"], PRMParams(n_ctx=max_tokens + 1024, max_candidates=config.candidates_per_round,
-                                         n_gpu_layers=n_gpu_layers, flash_attn=flash_attn))
-    engine = Rescue(config, base_model, helper_model, scorer)
+    config = template_config(mode, n, budget, policy, options)
+    base_model, helper_model, scorer = open_models(options, config.uses_base, config.uses_helper,
+                                                   config.candidates_per_round, [text])
+    engine = Rescue(config, base_model, helper_model, scorer,
+                    prompt_tokens_max=longest_prompt(config, [base_model, helper_model], [text]))
 
     def show(step: dict) -> None:
         score = "  -  " if step["score"] is None else f"{step['score']:.3f}"
@@ -191,3 +159,8 @@ def solve(problem, problem_file, preset, base, helper, prm, mode, n, budget, buf
     if json_path:
         write_json_atomically(json_path, record)
         click.echo(f"trajectory written to {json_path}")
+
+
+from .bench.commands import bench  # noqa: E402  (commands live beside what they drive)
+
+main.add_command(bench)

@@ -52,6 +52,11 @@ def check_compatible(base: Model, helper: Model) -> bool:
         base.token_bytes(t) == helper.token_bytes(t) for t in range(base.n_vocab))
 
 
+def longest_prompt(config: RescueConfig, models: list[Model | None], problems: list[str]) -> int:
+    """Tokens the longest problem's prompt takes in any of the models (sizes the contexts)."""
+    return max(len(m.tokenize(config.prompt.format(problem=p))) for m in models if m is not None for p in problems)
+
+
 @dataclass
 class Trajectory:
     problem: str

@@ -1,0 +1,1 @@
+"""Benchmarks: datasets, grading, resumable sweeps, reports."""

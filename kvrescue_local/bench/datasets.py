@@ -1,0 +1,95 @@
+"""Benchmark problems: vendored MATH500 and GSM8K, hub datasets fetched at run time, or a JSONL file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import KVRescueError
+
+DATA_DIR = Path(__file__).parent / "data"
+VENDORED = {"math500": DATA_DIR / "math500.jsonl", "gsm8k": DATA_DIR / "gsm8k.jsonl"}
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    repo: str
+    filename: str
+    problem_field: str
+    answer_field: str
+
+
+# No stated license: fetched from the Hugging Face hub into its cache at run time, never committed.
+HUB = {
+    "aime24": HubDataset("math-ai/aime24", "test.jsonl", "problem", "answer"),
+    "amc23": HubDataset("math-ai/amc23", "test.jsonl", "question", "answer"),
+    "olympiadbench": HubDataset("math-ai/olympiadbench", "test.jsonl", "question", "final_answer"),
+}
+DATASET_NAMES = sorted([*VENDORED, *HUB])
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    problem: str
+    answer: str
+
+
+def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
+    problems = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise KVRescueError(f"{path}:{number}: not a JSON object ({exc.msg}): fix or remove that line") from None
+            missing = [k for k in (problem_field, answer_field) if k not in row]
+            if not isinstance(row, dict) or missing:
+                raise KVRescueError(f"{path}:{number}: the row has no {' or '.join(repr(m) for m in missing)} field; "
+                                    f"each line needs {{\"id\", \"{problem_field}\", \"{answer_field}\"}}")
+            answer = row[answer_field]
+            if isinstance(answer, list):  # OlympiadBench stores a list of final answers
+                answer = answer[0] if answer else ""
+            problems.append(Problem(str(row.get("id", f"{path.stem}-{number}")), str(row[problem_field]), str(answer)))
+    if not problems:
+        raise KVRescueError(f"{path} holds no problems")
+    return problems
+
+
+def fetch_hub_dataset(spec: HubDataset, cache_dir: str | Path | None = None, offline: bool | None = None) -> Path:
+    """Download (with progress) or reuse the hub cache; offline uses the cache only."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") if offline is None else offline
+    try:
+        return Path(hf_hub_download(spec.repo, spec.filename, repo_type="dataset", cache_dir=cache_dir,
+                                    local_files_only=offline))
+    except LocalEntryNotFoundError:
+        raise KVRescueError(f"{spec.repo}/{spec.filename} is not in the Hugging Face cache and downloads are off "
+                            "(offline): fetch it once online, or pass --data FILE.jsonl") from None
+    except Exception as exc:  # network, auth, missing repo: one line, with the fix
+        raise KVRescueError(f"could not fetch {spec.repo}/{spec.filename} from the Hugging Face hub "
+                            f"({type(exc).__name__}): check the network or pass --data FILE.jsonl") from None
+
+
+def load_problems(name: str | None = None, path: str | Path | None = None, limit: int | None = None,
+                  cache_dir: str | Path | None = None, offline: bool | None = None) -> tuple[str, list[Problem]]:
+    """(dataset label, problems) for a dataset name or a JSONL path."""
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise KVRescueError(f"dataset file not found: {path}")
+        label, problems = path.stem, read_jsonl(path)
+    elif name in VENDORED:
+        label, problems = name, read_jsonl(VENDORED[name])
+    elif name in HUB:
+        spec = HUB[name]
+        label, problems = name, read_jsonl(fetch_hub_dataset(spec, cache_dir, offline), spec.problem_field, spec.answer_field)
+    else:
+        raise KVRescueError(f"unknown dataset {name!r}: use one of {', '.join(DATASET_NAMES)} or --data FILE.jsonl")
+    return label, problems[:limit] if limit else problems

@@ -1,0 +1,20 @@
+"""Grading: the last \\boxed{} of a trajectory against the gold answer, with math-verify."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from math_verify import parse, verify
+
+
+@lru_cache(maxsize=4096)
+def parsed_gold(gold: str):
+    return parse(f"${gold}$")
+
+
+def is_correct(gold: str, answer: str | None) -> bool:
+    """True when answer (the content of the last \\boxed{}) equals gold; argument order matters to math-verify."""
+    if answer is None:
+        return False
+    gold_parsed = parsed_gold(gold)
+    return bool(gold_parsed) and bool(verify(gold_parsed, parse(f"\\boxed{{{answer}}}")))

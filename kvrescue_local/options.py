@@ -1,0 +1,83 @@
+"""Command-line options shared by `solve` and `bench run`, and the objects they build."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import click
+
+from .detect import DetectorParams
+from .eviction import KVBudget
+from .presets import load_preset
+from .prm import PRM, PRMParams
+from .rescue import RescueConfig
+from .runtime import Model
+
+SEARCH_OPTIONS = [
+    click.option("--preset", default="tiny", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
+    click.option("--base", type=click.Path(path_type=Path), help="base model GGUF (evicted)"),
+    click.option("--helper", type=click.Path(path_type=Path), help="helper model GGUF (full context)"),
+    click.option("--prm", type=click.Path(path_type=Path), help="PRM backbone GGUF (its .head.npz beside it)"),
+    click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction"),
+    click.option("--n-sink", type=int, default=4, show_default=True, help="first entries always kept"),
+    click.option("--window", type=int, default=8, show_default=True, help="recent entries always kept"),
+    click.option("--protect-prompt", is_flag=True, help="never evict the prompt"),
+    click.option("--temp", "temperature", type=float, default=0.7, show_default=True),
+    click.option("--top-p", type=float, default=0.8, show_default=True),
+    click.option("--seed", "-s", type=int, default=0, show_default=True),
+    click.option("--n-gpu-layers", "-ngl", type=int, default=0, show_default=True),
+    click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), default="off", show_default=True),
+    click.option("--max-tokens", type=int, default=4096, show_default=True, help="trajectory length cap"),
+    click.option("--max-steps", type=int, default=512, show_default=True),
+    click.option("--max-step-tokens", type=int, default=256, show_default=True),
+    click.option("--tau-entropy", type=float, default=3.0, show_default=True,
+                 help="detector: mean entropy (nats) above which a base candidate dies"),
+    click.option("--tau-compression", type=float, default=0.35, show_default=True,
+                 help="detector: zstd ratio below which a base candidate dies"),
+]
+
+
+def search_options(command):
+    for option in reversed(SEARCH_OPTIONS):
+        command = option(command)
+    return command
+
+
+def template_config(mode: str, n: int, budget: int, policy: str, options: dict) -> RescueConfig:
+    """A RescueConfig from the shared options (and the sweep axes given separately)."""
+    o = options
+    return RescueConfig(
+        mode=mode, n=n,
+        kv=KVBudget(budget=budget, buffer=o["buffer"], n_sink=o["n_sink"], window=o["window"], policy=policy,
+                    protect_prompt=o["protect_prompt"]),
+        detector=DetectorParams(tau_entropy=o["tau_entropy"], tau_compression=o["tau_compression"]),
+        max_tokens=o["max_tokens"], max_steps=o["max_steps"], max_step_tokens=o["max_step_tokens"],
+        temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"], n_gpu_layers=o["n_gpu_layers"],
+        flash_attn=o["flash_attn"])
+
+
+PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
+
+
+def open_models(options: dict, needs_base: bool, needs_helper: bool, max_candidates: int, problems: list[str]):
+    """(base, helper, prm) from --base/--helper/--prm, falling back to the preset for what is not given.
+
+    The PRM context holds the longest problem (a token covers at least one byte, so its UTF-8 length
+    bounds its tokens), the trajectory and one batch of candidates."""
+    o = options
+    given = {k: o[k] for k in ("base", "helper", "prm")}
+    preset = None
+    if any(given[k] is None for k, needed in (("base", needs_base), ("helper", needs_helper), ("prm", True)) if needed):
+        preset = load_preset(o["preset"])
+        if preset.note:
+            click.echo(f"preset {preset.name}: {preset.note}", err=True)
+    path = {k: given[k] or getattr(preset, k) for k in given} if preset else given
+    ngl = o["n_gpu_layers"]
+    base = Model(path["base"], n_gpu_layers=ngl) if needs_base else None
+    helper = Model(path["helper"], n_gpu_layers=ngl) if needs_helper else None
+    longest = max(len(p.encode()) for p in problems)
+    prm_params = PRMParams(max_candidates=max_candidates, n_gpu_layers=ngl, flash_attn=o["flash_attn"])
+    prm_params = dataclasses.replace(prm_params, n_ctx=longest + PRM_TEMPLATE_TOKENS + o["max_tokens"] + prm_params.n_batch)
+    prm = PRM(path["prm"], prm_params)
+    return base, helper, prm

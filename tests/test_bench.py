@@ -1,0 +1,120 @@
+"""Benchmark sweeps, grading, datasets (vendored, hub cache, JSONL) and resumability."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from kvrescue_local.bench.datasets import HUB, load_problems
+from kvrescue_local.bench.grade import is_correct
+from kvrescue_local.bench.run import read_results
+from kvrescue_local.cli import main
+from kvrescue_local.errors import KVRescueError
+from kvrescue_local.rescue import last_boxed
+
+
+@pytest.mark.parametrize("name", ["math500", "gsm8k"])
+def test_every_gold_answer_grades_against_itself_and_perturbed_ones_fail(name):
+    _, problems = load_problems(name)
+    assert len(problems) == {"math500": 500, "gsm8k": 1319}[name]
+    for p in problems:
+        answer = last_boxed(f"So the result follows.\n\n\\boxed{{{p.answer}}}")
+        assert is_correct(p.answer, answer), p
+        assert not is_correct(p.answer, f"{p.answer}+1"), p
+    assert not is_correct("54", None)
+    assert is_correct("\\frac{14}{3}", "\\dfrac{14}{3}")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_datasets_and_bad_rows(tmp_path):
+    good = write_jsonl(tmp_path / "mine.jsonl", [{"id": "q1", "problem": "1+1?", "answer": "2"},
+                                                 {"problem": "2+2?", "answer": "4"}])
+    label, problems = load_problems(path=good)
+    assert label == "mine" and [p.id for p in problems] == ["q1", "mine-2"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "q1", "problem": "1+1?", "answer": "2"}, {"id": "q2", "answer": "3"}])
+    with pytest.raises(KVRescueError, match=r"bad.jsonl:2: the row has no 'problem' field"):
+        load_problems(path=bad)
+    with pytest.raises(KVRescueError, match="unknown dataset 'math5000'.*math500"):
+        load_problems("math5000")
+    (tmp_path / "broken.jsonl").write_text('{"problem": "x", "answer": "1"}\nnot json\n')
+    with pytest.raises(KVRescueError, match="broken.jsonl:2: not a JSON object"):
+        load_problems(path=tmp_path / "broken.jsonl")
+
+
+def test_hub_datasets_come_from_the_cache_offline(tmp_path):
+    """A local directory laid out as a Hugging Face hub cache; nothing touches the network."""
+    spec = HUB["amc23"]
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = tmp_path / "hub" / f"datasets--{spec.repo.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    write_jsonl(snapshot / spec.filename, [{"id": 1, "question": "What is 3*4?", "answer": 12.0}])
+    label, problems = load_problems("amc23", cache_dir=tmp_path / "hub", offline=True)
+    assert label == "amc23" and problems[0].problem == "What is 3*4?" and problems[0].answer == "12.0"
+    with pytest.raises(KVRescueError, match="not in the Hugging Face cache.*--data"):
+        load_problems("aime24", cache_dir=tmp_path / "hub", offline=True)
+
+
+def bench_args(base_path, helper_path, prm_path, results, *extra):
+    return ["bench", "run", "--dataset", "gsm8k", "--limit", "20", "--modes", "full,kvrescue", "--ns", "2",
+            "--budgets", "32", "--buffer", "16", "--max-tokens", "60", "--max-step-tokens", "16", "--tau-entropy", "50",
+            "--base", str(base_path), "--helper", str(helper_path), "--prm", str(prm_path), "--results", str(results),
+            *extra]
+
+
+def test_killed_sweep_resumes_without_duplicates_or_gaps(base_path, helper_path, tiny_prm_path, tmp_path):
+    results = tmp_path / "results.jsonl"
+    args = bench_args(base_path, helper_path, tiny_prm_path, results)
+    proc = subprocess.Popen([sys.executable, "-m", "kvrescue_local", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not results.exists() or len(results.read_text().splitlines()) < 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # a crash, not a polite stop
+    proc.wait()
+    partial = len(read_results(results))
+    assert 5 <= partial < 40
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code != 0 and "--resume" in again.output
+    resumed = CliRunner().invoke(main, args + ["--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    rows = read_results(results)
+    keys = [(r["dataset"], r["id"], r["config_key"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 40
+    assert {r["config_key"] for r in rows} == {"full-b0-n2-none", "kvrescue-b32-n2-streaming"}
+    row = rows[0]
+    assert set(row) >= {"gold", "answer", "correct", "degenerate", "n_steps", "tokens", "timings", "detector"}
+    nothing = CliRunner().invoke(main, args + ["--resume"])
+    assert "0 new results" in nothing.output
+    other = CliRunner().invoke(main, args[:-2] + ["--results", str(results), "--resume", "--seed", "5"])
+    assert other.exit_code != 0 and "different configuration (seed 0 vs 5)" in other.output
+
+
+def test_shards_merge_into_the_full_sweep(base_path, helper_path, tiny_prm_path, tmp_path):
+    shards = []
+    for i in range(2):
+        out = tmp_path / f"shard{i}.jsonl"
+        args = bench_args(base_path, helper_path, tiny_prm_path, out, "--shard", f"{i}/2")
+        args[args.index("--limit") + 1] = "5"
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        shards.append(out)
+    merged = tmp_path / "merged.jsonl"
+    result = CliRunner().invoke(main, ["bench", "merge", *map(str, shards + shards[:1]), "--out", str(merged)])
+    assert result.exit_code == 0 and "10 results" in result.output
+    keys = {(r["id"], r["config_key"]) for r in read_results(merged)}
+    assert len(keys) == 10
+    bad = CliRunner().invoke(main, bench_args(base_path, helper_path, tiny_prm_path, tmp_path / "x.jsonl",
+                                              "--shard", "2/2"))
+    assert bad.exit_code != 0 and "--shard 2/2" in bad.output
