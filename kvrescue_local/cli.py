@@ -164,3 +164,35 @@ def solve(problem, problem_file, mode, n, budget, policy, json_path, **options) 
 from .bench.commands import bench  # noqa: E402  (commands live beside what they drive)
 
 main.add_command(bench)
+
+
+@models.command("list")
+def models_list() -> None:
+    """The presets: bundled ones and those fetched from the Hugging Face hub."""
+    from .hub import HUB_PRESETS
+    from .presets import PRESETS
+
+    for name in PRESETS:
+        click.echo(f"{name:18s} bundled")
+    for preset in HUB_PRESETS.values():
+        click.echo(f"{preset.name:18s} hub: base {preset.base}, helper {preset.helper}, PRM {preset.prm_repo} "
+                   f"(converted locally, {preset.prm_quantize or 'f16'})")
+
+
+@models.command("pull")
+@click.argument("name")
+@click.option("--offline", is_flag=True, help="use the Hugging Face cache only (check that everything is there)")
+def models_pull(name: str, offline: bool) -> None:
+    """Download a hub preset's models into the Hugging Face cache (with progress) and convert its PRM."""
+    from .presets import load_preset
+
+    preset = load_preset(name, offline=offline or None)
+    for role in ("base", "helper", "prm"):
+        path = getattr(preset, role)
+        click.echo(f"{role:6s} {path} ({path.stat().st_size / 2**30:.2f} GiB)")
+
+
+from .bench.report_commands import COMMANDS as REPORT_COMMANDS  # noqa: E402
+
+for command in REPORT_COMMANDS:
+    main.add_command(command)

@@ -9,16 +9,17 @@ import click
 
 from .detect import DetectorParams
 from .eviction import KVBudget
-from .presets import load_preset
+from .hub import resolve_gguf, resolve_prm
+from .presets import CACHE, load_preset
 from .prm import PRM, PRMParams
 from .rescue import RescueConfig
 from .runtime import Model
 
 SEARCH_OPTIONS = [
     click.option("--preset", default="tiny", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
-    click.option("--base", type=click.Path(path_type=Path), help="base model GGUF (evicted)"),
-    click.option("--helper", type=click.Path(path_type=Path), help="helper model GGUF (full context)"),
-    click.option("--prm", type=click.Path(path_type=Path), help="PRM backbone GGUF (its .head.npz beside it)"),
+    click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
+    click.option("--helper", help="helper model (full context): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
+    click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it) or a hub checkpoint owner/repo"),
     click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction"),
     click.option("--n-sink", type=int, default=4, show_default=True, help="first entries always kept"),
     click.option("--window", type=int, default=8, show_default=True, help="recent entries always kept"),
@@ -72,7 +73,11 @@ def open_models(options: dict, needs_base: bool, needs_helper: bool, max_candida
         preset = load_preset(o["preset"])
         if preset.note:
             click.echo(f"preset {preset.name}: {preset.note}", err=True)
-    path = {k: given[k] or getattr(preset, k) for k in given} if preset else given
+    path = {k: given[k] or getattr(preset, k) for k in given} if preset else dict(given)
+    for role in ("base", "helper"):
+        path[role] = path[role] and resolve_gguf(path[role])
+    if given["prm"] and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
+        path["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
     ngl = o["n_gpu_layers"]
     base = Model(path["base"], n_gpu_layers=ngl) if needs_base else None
     helper = Model(path["helper"], n_gpu_layers=ngl) if needs_helper else None

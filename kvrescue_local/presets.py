@@ -1,7 +1,8 @@
 """Model presets: which base, helper and PRM files a name stands for.
 
 `tiny` is written on first use from fixed seeds (random weights: it exercises the whole
-machinery offline, it does not reason).
+machinery offline, it does not reason). `toy` is the trained toy world shipped in models/toy
+(kvrescue_local/toy): a base, a helper and a PRM that solve the toy ledger task.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 
 from .errors import KVRescueError
 from .gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
+from .hub import HUB_PRESETS, HubModels, resolve_gguf, resolve_prm
 from .prm import RewardHead, head_path
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local"
@@ -54,12 +56,31 @@ def tiny_preset(directory: Path = CACHE / "tiny") -> Preset:
     return Preset("tiny", base, helper, prm, note="random weights: shows the machinery, not reasoning")
 
 
-PRESETS = {"tiny": tiny_preset}
+TOY_DIR = Path(__file__).resolve().parent.parent / "models" / "toy"
 
 
-def load_preset(name: str) -> Preset:
-    try:
+def toy_preset(directory: Path = TOY_DIR) -> Preset:
+    base, helper, prm = directory / "base.gguf", directory / "helper.gguf", directory / "prm.gguf"
+    missing = [p.name for p in (base, helper, prm, head_path(prm)) if not p.exists()]
+    if missing:
+        raise KVRescueError(f"the toy preset's {', '.join(missing)} are missing from {directory}: train them with "
+                            "`python3 -m kvrescue_local.toy.train --out models/toy` (needs the train extra)")
+    return Preset("toy", base, helper, prm, note="trained on the toy ledger task: see `kvrescue-local toy sample`")
+
+
+PRESETS = {"tiny": tiny_preset, "toy": toy_preset}
+
+
+def hub_preset(models: HubModels, offline: bool | None = None) -> Preset:
+    """Base and helper GGUFs from the hub cache (downloaded on first use), the PRM converted once."""
+    return Preset(models.name, resolve_gguf(models.base, offline=offline), resolve_gguf(models.helper, offline=offline),
+                  resolve_prm(models.prm_repo, CACHE / "prm", models.prm_quantize, offline=offline), note=models.note)
+
+
+def load_preset(name: str, offline: bool | None = None) -> Preset:
+    if name in PRESETS:
         return PRESETS[name]()
-    except KeyError:
-        raise KVRescueError(f"unknown preset {name!r}: use one of {', '.join(sorted(PRESETS))} or pass "
-                            "--base/--helper/--prm paths") from None
+    if name in HUB_PRESETS:
+        return hub_preset(HUB_PRESETS[name], offline)
+    raise KVRescueError(f"unknown preset {name!r}: use one of {', '.join([*PRESETS, *HUB_PRESETS])} or pass "
+                        "--base/--helper/--prm paths")

@@ -1,0 +1,181 @@
+"""The paper's figures from a results JSONL file, as PNGs (matplotlib is the optional `plot` extra).
+
+- `pass1_vs_budget[-<dataset>].png` (Figure 5): pass@1 against the base's KV budget, one line per
+  evicting mode (bon, kvrescue) and N; full and helper, which do not evict, as horizontal lines.
+- `step_sources[-<dataset>].png` (Figure 6): share of committed steps written by the base and by the
+  helper, per budget (and N) of the kvrescue rows.
+- `detector_stats[-<dataset>].png` (Figure 3): histograms of the base candidates' maximum windowed
+  mean entropy and minimum compression ratio, killed candidates stacked on top, with the configured
+  thresholds as vertical lines.
+Only the figures the data supports are written (no kvrescue rows: no Figure 6, and so on).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import KVRescueError
+from .report import Summary, summaries
+
+COLOURS = {"full": "#333333", "helper": "#e08a1e", "bon": "#c0392b", "kvrescue": "#1f6fb2"}
+BASE_COLOUR, HELPER_COLOUR, KILLED_COLOUR = "#1f6fb2", "#e08a1e", "#c0392b"
+
+
+def _figure_class():
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise KVRescueError("plots need matplotlib: pip install 'kvrescue-local[plot]'") from None
+    return Figure
+
+
+def _suffix(dataset: str, several: bool) -> str:
+    if not several:
+        return ""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in dataset)
+    return f"-{safe or 'unnamed'}"
+
+
+def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path | None:
+    Figure = _figure_class()
+    evicting = [s for s in items if s.key.mode in ("bon", "kvrescue") and s.key.budget is not None]
+    flat = [s for s in items if s.key.mode in ("full", "helper")]
+    if not evicting and not flat:
+        return None
+    fig = Figure(figsize=(7, 4.5), dpi=110)
+    ax = fig.add_subplot()
+    policies = {s.key.policy for s in evicting}
+    lines: dict[tuple, list[Summary]] = {}
+    for s in evicting:
+        lines.setdefault((s.key.mode, s.key.n, s.key.policy), []).append(s)
+    markers = "osD^v<>"
+    ns = sorted({s.key.n for s in items})
+    for (mode, n, policy), group in sorted(lines.items()):
+        group.sort(key=lambda s: s.key.budget)
+        label = f"{mode} N={n}" + (f" {policy}" if len(policies) > 1 else "")
+        ax.plot([s.key.budget for s in group], [s.pass1 for s in group], marker=markers[ns.index(n) % len(markers)],
+                color=COLOURS.get(mode), linestyle="-" if ns.index(n) == 0 else "--", label=label)
+    styles = [":", "-.", (0, (1, 3)), (0, (5, 5))]
+    for s in flat:
+        ax.axhline(s.pass1, color=COLOURS.get(s.key.mode), linestyle=styles[ns.index(s.key.n) % len(styles)],
+                   linewidth=1.5, label=f"{s.key.mode} N={s.key.n} (no eviction)")
+    budgets = sorted({s.key.budget for s in evicting})
+    if budgets:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        if len(budgets) == 1:
+            ax.set_xlim(budgets[0] / 1.5, budgets[0] * 1.5)
+    ax.set_xlabel("base KV budget (entries)")
+    ax.set_ylabel("pass@1 (%)")
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.set_title(title or "pass@1 vs KV budget")
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def step_sources(items: list[Summary], path: Path, title: str = "") -> Path | None:
+    Figure = _figure_class()
+    rows = [s for s in items if s.key.mode == "kvrescue" and sum(s.steps_from.values()) > 0]
+    if not rows:
+        return None
+    several_n = len({s.key.n for s in rows}) > 1
+    several_policies = len({s.key.policy for s in rows}) > 1
+    labels, base_share, helper_share = [], [], []
+    for s in rows:
+        label = f"{s.key.budget}"
+        if several_n:
+            label += f"\nN={s.key.n}"
+        if several_policies:
+            label += f"\n{s.key.policy}"
+        total = s.steps_from.get("base", 0) + s.steps_from.get("helper", 0)
+        labels.append(label)
+        base_share.append(100.0 * s.steps_from.get("base", 0) / total if total else 0.0)
+        helper_share.append(100.0 * s.steps_from.get("helper", 0) / total if total else 0.0)
+    fig = Figure(figsize=(max(5, 1.1 * len(rows) + 2), 4.5), dpi=110)
+    ax = fig.add_subplot()
+    x = list(range(len(rows)))
+    ax.bar(x, base_share, color=BASE_COLOUR, label="base (evicted)")
+    ax.bar(x, helper_share, bottom=base_share, color=HELPER_COLOUR, label="helper (full KV)")
+    for i, (b, h) in enumerate(zip(base_share, helper_share)):
+        if b >= 6:
+            ax.text(i, b / 2, f"{b:.0f}%", ha="center", va="center", color="white", fontsize=8)
+        if h >= 6:
+            ax.text(i, b + h / 2, f"{h:.0f}%", ha="center", va="center", color="black", fontsize=8)
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("base KV budget")
+    ax.set_ylabel("committed steps (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title or "kvrescue: who wrote the committed steps")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def hist_bins(values: list[float], n: int = 40) -> list[float]:
+    """n equal bins over the values with a 2% margin; the last edge is set exactly (lo + (hi - lo) can round
+    below hi, and a value beyond the last edge would silently drop out of the histogram)."""
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if hi - lo < 1e-9:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = 0.02 * (hi - lo)
+    return [lo - pad + (hi - lo + 2 * pad) * k / n for k in range(n)] + [hi + pad]
+
+
+def detector_stats(rows: list[dict], path: Path, title: str = "") -> Path | None:
+    Figure = _figure_class()
+    stats = [d for r in rows for d in (r.get("detector") or []) if isinstance(d, dict)]
+    if not stats:
+        return None
+    with_detector = [r for r in rows if r.get("detector")]
+    taus = {"max_mean_entropy": sorted({float(r["config"]["tau_entropy"]) for r in with_detector
+                                        if isinstance(r["config"].get("tau_entropy"), (int, float))}),
+            "min_compression": sorted({float(r["config"]["tau_compression"]) for r in with_detector
+                                       if isinstance(r["config"].get("tau_compression"), (int, float))})}
+    fig = Figure(figsize=(10, 4), dpi=110)
+    panels = [("max_mean_entropy", "max windowed mean entropy (nats)", "τ_ent"),
+              ("min_compression", "min compression ratio (zstd; 1.0: window never full)", "τ_cmp")]
+    for i, (name, xlabel, tau_name) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, i + 1)
+        kept = [float(d[name]) for d in stats if isinstance(d.get(name), (int, float)) and not d.get("killed")]
+        killed = [float(d[name]) for d in stats if isinstance(d.get(name), (int, float)) and d.get("killed")]
+        bins = hist_bins(kept + killed + taus[name])
+        ax.hist([kept, killed], bins=bins, stacked=True, color=[BASE_COLOUR, KILLED_COLOUR],
+                label=[f"kept ({len(kept)})", f"killed ({len(killed)})"])
+        for tau in taus[name]:
+            ax.axvline(tau, color="black", linestyle="--", linewidth=1.2, label=f"{tau_name} = {tau:g}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("base candidates")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title or "degeneration detector: base candidates")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
+    """Every figure the rows support, one set per dataset; returns the files written."""
+    _figure_class()  # fail before creating the directory
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise KVRescueError(f"{out_dir} is a file: pass a directory for the plots")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    datasets = sorted({str(r.get("dataset", "")) for r in rows})
+    written = []
+    for dataset in datasets:
+        subset = [r for r in rows if str(r.get("dataset", "")) == dataset]
+        items = summaries(subset)
+        suffix = _suffix(dataset, len(datasets) > 1)
+        name = f" ({dataset})" if dataset else ""
+        for made in (pass1_vs_budget(items, out_dir / f"pass1_vs_budget{suffix}.png", f"pass@1 vs KV budget{name}"),
+                     step_sources(items, out_dir / f"step_sources{suffix}.png",
+                                  f"kvrescue: share of committed steps{name}"),
+                     detector_stats(subset, out_dir / f"detector_stats{suffix}.png",
+                                    f"degeneration detector on base candidates{name}")):
+            if made:
+                written.append(made)
+    return written

@@ -1,0 +1,66 @@
+"""`report` and `estimate` click commands; kvrescue_local/cli.py registers them (main.add_command).
+
+Both raise KVRescueError for bad input; the CLI group turns it into a one-line `Error: ...`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import KVRescueError
+
+
+@click.command("report")
+@click.argument("results", type=click.Path(path_type=Path))
+@click.option("--markdown", is_flag=True, help="GitHub markdown tables instead of aligned text")
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="write the figures (pass@1 vs budget, step sources, detector histograms) as PNGs here")
+@click.option("--html", "trajectory", type=click.Path(dir_okay=False, path_type=Path),
+              help="also turn this trajectory (from `solve --json`) into a self-contained HTML page")
+@click.option("--out", "html_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="the HTML page to write (default: the trajectory's name with .html)")
+def report(results: Path, markdown: bool, plots_dir: Path | None, trajectory: Path | None,
+           html_out: Path | None) -> None:
+    """Table 2 (ablation) and Table 1 (decode cost) from a results JSONL file."""
+    from .report import load_results, render
+
+    if html_out is not None and trajectory is None:
+        raise KVRescueError("--out names the HTML page of --html TRAJECTORY.json: pass both")
+    rows = load_results(results)
+    click.echo(render(rows, markdown=markdown), nl=False)
+    if plots_dir is not None:
+        from .plots import write_plots
+
+        written = write_plots(rows, plots_dir)
+        click.echo(f"\n{len(written)} plots written to {plots_dir}: {', '.join(p.name for p in written) or 'none'}")
+    if trajectory is not None:
+        from .viewer import load_trajectory, write_html
+
+        out = write_html(load_trajectory(trajectory), html_out or trajectory.with_suffix(".html"))
+        click.echo(f"trajectory page written to {out}")
+
+
+@click.command("estimate")
+@click.option("--base", default="7b", show_default=True, help="base model: 7b, 72b (Qwen2.5-Math) or a GGUF path")
+@click.option("--helper", default="1.5b", show_default=True, help="helper model: 1.5b (Qwen2.5-Math) or a GGUF path")
+@click.option("--budget", type=int, default=64, show_default=True, help="base KV budget (entries kept)")
+@click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction")
+@click.option("--kv-bytes", type=float, default=2.0, show_default=True,
+              help="bytes per KV element (2 f16, 1.0625 q8_0, 4 f32)")
+@click.option("--contexts", default="1k,2k,4k,8k,16k,32k", show_default=True, help="context lengths (tokens)")
+@click.option("--markdown", is_flag=True, help="a GitHub markdown table")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="also write the figure here")
+def estimate_command(base: str, helper: str, budget: int, buffer: int, kv_bytes: float, contexts: str, markdown: bool,
+                     plot_path: Path | None) -> None:
+    """KV memory and decode FLOPs per sequence: evicted base + full-KV helper vs full-KV base."""
+    from .estimate import estimate, parse_contexts, resolve_model
+
+    result = estimate(resolve_model(base), resolve_model(helper), budget, buffer, kv_bytes, parse_contexts(contexts))
+    click.echo(result.table(markdown=markdown))
+    if plot_path is not None:
+        click.echo(f"plot written to {result.plot(plot_path)}")
+
+
+COMMANDS = (report, estimate_command)

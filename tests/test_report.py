@@ -1,0 +1,484 @@
+"""Reporting: Table 2 / Table 1 from results JSONL, plots, the HTML trajectory viewer (in headless
+Chromium), the KV memory / compute estimate and the `report` / `estimate` commands."""
+
+import json
+import math
+import re
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvrescue_local.bench.estimate import BUILTIN, estimate, parse_contexts, qwen2_spec, resolve_model, spec_from_gguf
+from kvrescue_local.bench.report import accuracy_recovered, load_results, render, summaries
+from kvrescue_local.bench.report_commands import COMMANDS
+from kvrescue_local.bench.viewer import render_html, write_html
+from kvrescue_local.cli import ProjectErrorsAsOneLine
+from kvrescue_local.detect import DetectorParams
+from kvrescue_local.errors import KVRescueError
+from kvrescue_local.eviction import KVBudget
+from kvrescue_local.gguf_export import TINY_BASE, random_qwen2_weights
+from kvrescue_local.rescue import Rescue, RescueConfig
+
+PROBLEMS = [("p1", "What is 2+3?", "5"), ("p2", "Let a=17 and b=25. What is a+b?", "42"), ("p3", "<b>x</b> & y", "0")]
+SOME_KILLS = DetectorParams(tau_entropy=5.18, tau_compression=0.01)  # random weights: entropy ~5.13-5.21 nats
+NO_KILL = DetectorParams(tau_entropy=50.0, tau_compression=0.01)
+INJECTION = '</pre></td><script>document.body.setAttribute("data-pwned","1")</script><img src=x onerror="document.body.setAttribute(\'data-pwned\',\'2\')">\x08\u202e'
+
+
+def rescue_config(mode, detector=NO_KILL):
+    return RescueConfig(mode=mode, n=2, kv=KVBudget(budget=32, buffer=16, n_sink=4, window=8), detector=detector,
+                        max_tokens=96, max_step_tokens=24, temperature=1.0, top_p=0.95, seed=1)
+
+
+def results_line(dataset, pid, gold, cfg: RescueConfig, record):
+    """A results JSONL line (the schema of kvrescue_local/bench/run.py) from a trajectory record."""
+    steps = record["steps"]
+    base = [c for s in steps for c in s["candidates"] if c["side"] == "base"]
+    evicts = cfg.mode in ("bon", "kvrescue")
+    correct = record["answer"] == gold
+    return {
+        "dataset": dataset, "id": pid, "config_key": f"{cfg.mode}-n{cfg.n}",
+        "config": {"mode": cfg.mode, "n": cfg.n, "budget": cfg.kv.budget if evicts else 0, "buffer": cfg.kv.buffer,
+                   "policy": cfg.kv.policy if evicts else "none", "seed": cfg.seed,
+                   "tau_entropy": cfg.detector.tau_entropy, "tau_compression": cfg.detector.tau_compression,
+                   "max_tokens": cfg.max_tokens, "max_steps": cfg.max_steps},
+        "gold": gold, "answer": record["answer"], "correct": correct, "stop": record["stop"],
+        "degenerate": not correct and record["n_steps"] >= 256, "n_steps": record["n_steps"],
+        "steps_from": {side: sum(s["source"] == side for s in steps) for side in ("base", "helper")},
+        "tokens": record["tokens"], "base_candidates": len(base), "killed": sum(c["finished"] == "killed" for c in base),
+        "early_exit_fraction": record["early_exit_fraction"],
+        "detector": [c["detector"] for c in base if "detector" in c], "timings": record["timings"],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(base_model, helper_model, tiny_prm):
+    """Real loop runs on the tiny models: (results lines, one kvrescue trajectory record with kills)."""
+    lines, kept = [], None
+    for mode, detector in (("full", NO_KILL), ("bon", NO_KILL), ("kvrescue", SOME_KILLS)):
+        cfg = rescue_config(mode, detector)
+        engine = Rescue(cfg, base_model, helper_model, tiny_prm)
+        for pid, problem, gold in PROBLEMS:
+            record = engine.solve(problem).record()
+            lines.append(results_line("tiny", pid, gold, cfg, record))
+            if mode == "kvrescue" and kept is None and any(c["finished"] == "killed" for s in record["steps"]
+                                                            for c in s["candidates"]):
+                kept = record
+    assert kept is not None, "the detector threshold kills some random-weight base candidates"
+    return lines, kept
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def synthetic(mode, n, budget, correct, degenerate=(), policy="streaming", dataset="math500"):
+    """Hand-made lines with known pass@1 / degeneration (the tiny models never answer correctly)."""
+    out = []
+    for i, ok in enumerate(correct):
+        out.append({"dataset": dataset, "id": f"q{i}",
+                    "config": {"mode": mode, "n": n, "budget": budget if mode in ("bon", "kvrescue") else 0,
+                               "policy": policy if mode in ("bon", "kvrescue") else "none",
+                               "tau_entropy": 3.0, "tau_compression": 0.35},
+                    "correct": ok, "degenerate": i in degenerate, "stop": "eos", "n_steps": 10 + i,
+                    "steps_from": {"base": 6, "helper": 4 + i} if mode == "kvrescue" else {"base": 10 + i},
+                    "tokens": {"base": 100 * (i + 1), "helper": 50 if mode == "kvrescue" else 0, "committed": 90},
+                    "base_candidates": 20, "killed": 2 if mode == "kvrescue" else 0,
+                    "detector": [{"max_mean_entropy": 0.5 + 0.1 * i, "min_compression": 0.9, "killed": None},
+                                 {"max_mean_entropy": 4.0, "min_compression": 0.2, "killed": "repetition"}]
+                    if mode == "kvrescue" else [],
+                    "timings": {"llama_base": 1.0, "llama_helper": 0.5 if mode == "kvrescue" else 0.0, "prm": 0.25,
+                                "orchestration": 0.25, "total": 2.0 if mode == "kvrescue" else 1.5}})
+    return out
+
+
+SYNTHETIC = (synthetic("full", 8, 0, [True, True, True, False])
+             + synthetic("bon", 8, 64, [True, False, False, False], degenerate=(1, 2))
+             + synthetic("kvrescue", 8, 64, [True, True, False, False])
+             + synthetic("kvrescue", 8, 128, [True, True, True, False]))
+
+
+def table_lines(text: str, title: str) -> list[str]:
+    block = text.split(title, 1)[1].strip("\n").split("\n\n")[0].splitlines()
+    return block
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+# --- tables ----------------------------------------------------------------------------------------
+
+def test_tables_from_real_runs(runs, tmp_path):
+    lines, _ = runs
+    rows = load_results(write_jsonl(tmp_path / "results.jsonl", lines))
+    assert len(rows) == 9
+    by_mode = {s.key.mode: s for s in summaries(rows)}
+    assert list(by_mode) == ["full", "bon", "kvrescue"]  # fixed mode order, not file order
+    for mode, s in by_mode.items():
+        mine = [r for r in lines if r["config"]["mode"] == mode]
+        assert s.problems == 3 and s.pass1 == 0.0
+        assert s.base_tokens == pytest.approx(sum(r["tokens"]["base"] for r in mine) / 3)
+        assert s.helper_tokens == pytest.approx(sum(r["tokens"]["helper"] for r in mine) / 3)
+        assert s.steps == pytest.approx(sum(r["n_steps"] for r in mine) / 3)
+        assert s.prm_s == pytest.approx(sum(r["timings"]["prm"] for r in mine) / 3)
+        assert s.problems_per_minute == pytest.approx(3 * 60 / sum(r["timings"]["total"] for r in mine))
+        assert s.llama_base_s == pytest.approx(sum(r["timings"]["llama_base"] for r in mine) / 3)
+        assert s.base_tok_s == pytest.approx(sum(r["tokens"]["base"] for r in mine)
+                                             / sum(r["timings"]["llama_base"] for r in mine))
+        assert s.degeneration == 0.0  # every trajectory is incorrect, none is 256 steps long
+    kv = by_mode["kvrescue"]
+    base_candidates = sum(len(r["detector"]) for r in lines if r["config"]["mode"] == "kvrescue")
+    assert base_candidates == sum(r["base_candidates"] for r in lines if r["config"]["mode"] == "kvrescue")
+    killed = sum(d["killed"] is not None for r in lines if r["config"]["mode"] == "kvrescue" for d in r["detector"])
+    assert 0 < killed < base_candidates
+    assert kv.early_exit == pytest.approx(100 * killed / base_candidates)
+    assert by_mode["bon"].early_exit == 0.0 and by_mode["full"].helper_tok_s is None
+    assert kv.recovered is None, "full does not beat bon: nothing to recover"
+
+    text = render(rows)
+    t2 = table_lines(text, "Table 2: ablation")
+    header, rule, *body = t2
+    assert header.split()[:4] == ["mode", "budget", "N", "policy"] and len(body) == 3 + 1  # + the note
+    data = body[:3]
+    assert all(len(line) == len(rule) for line in data), "right-aligned columns end together"
+    kv_line = next(line for line in data if line.startswith("kvrescue"))
+    assert kv_line.split()[:6] == ["kvrescue", "32", "2", "streaming", "3", "0.0"]
+    assert f"{kv.base_tokens:,.0f}" in kv_line and f"{kv.early_exit:.1f}" in kv_line
+    assert next(line for line in data if line.startswith("full")).split()[1:4] == ["-", "2", "-"]
+    t1 = table_lines(text, "Table 1: decode cost")
+    assert f"{kv.llama_base_s:.3f}" in next(line for line in t1 if line.startswith("kvrescue"))
+    full_t1 = next(line for line in t1 if line.startswith("full")).split()
+    assert full_t1[6] == "-" and full_t1[-1] == "-", "full has no helper"
+
+
+def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", SYNTHETIC))
+    s = {(x.key.mode, x.key.budget): x for x in summaries(rows)}
+    assert s["full", None].pass1 == 75.0 and s["bon", 64].pass1 == 25.0 and s["kvrescue", 64].pass1 == 50.0
+    assert s["bon", 64].degeneration == pytest.approx(200 / 3)  # 2 of the 3 incorrect
+    assert s["kvrescue", 64].recovered == pytest.approx(50.0)  # (50 - 25) / (75 - 25)
+    assert s["kvrescue", 128].recovered is None, "no bon row at budget 128"
+    assert s["kvrescue", 64].early_exit == pytest.approx(10.0)  # 8 killed of 80
+    assert s["kvrescue", 64].problems_per_minute == pytest.approx(4 * 60 / 8.0)
+    assert s["kvrescue", 64].base_tok_s == pytest.approx(1000 / 4.0)
+    assert s["full", None].degeneration == 0.0
+    assert accuracy_recovered(80.0, 50.0, 50.0) is None
+    text = render(rows)
+    kv64 = next(line for line in table_lines(text, "Table 2: ablation") if line.startswith("kvrescue  64"))
+    assert kv64.split()[4:7] == ["4", "50.0", "0.0"] and kv64.split()[-1] == "50.0"
+
+
+def test_markdown_is_well_formed(runs, tmp_path):
+    rows = SYNTHETIC + synthetic("bon", 8, 64, [False], policy="odd|name")
+    md = render(load_results(write_jsonl(tmp_path / "r.jsonl", rows)), markdown=True)
+    blocks = md.strip().split("\n\n")
+    tables = [b for b in blocks if b.startswith("|")]
+    assert [b.strip("*") for b in blocks if b.startswith("**")] == ["Table 2: ablation", "Table 1: decode cost"]
+    assert len(tables) == 2
+    for table in tables:
+        header, rule, *body = table.splitlines()
+        n = len(cells(header))
+        assert re.fullmatch(r"\|(:?---:?\|)+", rule) and rule.count("|") == n + 1
+        assert body and all(line.startswith("| ") and line.endswith(" |") and len(cells(line)) == n for line in body)
+    assert "odd\\|name" in md, "a | inside a cell is escaped"
+    assert "| kvrescue | 64 | 8 | streaming | 4 | 50.0 |" in md
+
+
+# --- plots -----------------------------------------------------------------------------------------
+
+def read_png(path):
+    """(width, height, channels, rows) of an 8-bit non-interlaced PNG: a minimal decoder (zlib + unfiltering)."""
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    pos, idat, header = 8, [], None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat.append(body)
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    width, height, depth, colour, _, _, interlace = header
+    assert depth == 8 and interlace == 0, "only 8-bit non-interlaced PNGs"
+    ch = {0: 1, 2: 3, 4: 2, 6: 4}[colour]
+    raw = zlib.decompress(b"".join(idat))
+    stride, rows, prev = width * ch, [], bytearray(width * ch)
+    for y in range(height):
+        start = y * (stride + 1)
+        kind, line = raw[start], bytearray(raw[start + 1:start + 1 + stride])
+        if kind == 1:
+            for i in range(ch, stride):
+                line[i] = (line[i] + line[i - ch]) & 255
+        elif kind == 2:
+            line = bytearray((a + b) & 255 for a, b in zip(line, prev))
+        elif kind == 3:
+            for i in range(stride):
+                line[i] = (line[i] + (((line[i - ch] if i >= ch else 0) + prev[i]) >> 1)) & 255
+        elif kind == 4:
+            for i in range(stride):
+                a, b, c = (line[i - ch] if i >= ch else 0), prev[i], (prev[i - ch] if i >= ch else 0)
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(line)
+        prev = line
+    return width, height, ch, rows
+
+
+def ink_fraction(path) -> float:
+    """Share of pixels that differ from the top-left (background) pixel; 0 for a blank image."""
+    width, height, ch, rows = read_png(path)
+    pixels = np.frombuffer(b"".join(rows), np.uint8).reshape(height, width, ch)[..., :3]
+    return float((pixels != pixels[0, 0]).any(axis=-1).mean())
+
+
+def test_plots_are_written(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvrescue_local.bench.plots import write_plots
+
+    lines, _ = runs
+    written = write_plots(SYNTHETIC + synthetic("bon", 8, 128, [True, False, False, False]) + lines, tmp_path / "plots")
+    names = sorted(p.name for p in written)
+    assert names == sorted(f"{kind}-{ds}.png" for kind in ("pass1_vs_budget", "step_sources", "detector_stats")
+                           for ds in ("math500", "tiny"))
+    for path in written:
+        assert 0.02 < ink_fraction(path) < 0.9, f"{path.name} is blank or a single colour"
+    only_full = write_plots(synthetic("full", 8, 0, [True]), tmp_path / "few")
+    assert [p.name for p in only_full] == ["pass1_vs_budget.png"], "figures without data are skipped"
+
+
+def test_histogram_bins_hold_every_value():
+    from kvrescue_local.bench.plots import hist_bins
+
+    for values in ([0.2, 0.9, 0.9], [0.1, 0.7], [5.0], [], [0.35, 0.2, 1.0]):
+        bins = hist_bins(values)
+        assert len(bins) == 41 and bins == sorted(bins)
+        assert all(bins[0] < v < bins[-1] for v in values), "no value falls off either end"
+
+
+def test_plots_without_matplotlib_name_the_extra(monkeypatch, tmp_path):
+    import builtins
+
+    from kvrescue_local.bench import plots
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(KVRescueError, match=r"pip install 'kvrescue-local\[plot\]'"):
+        plots.write_plots(SYNTHETIC, tmp_path / "plots")
+    assert not (tmp_path / "plots").exists()
+
+
+# --- estimate --------------------------------------------------------------------------------------
+
+def test_estimate_matches_hand_computed_7b_numbers():
+    base, helper = BUILTIN["7b"], BUILTIN["1.5b"]
+    assert base.kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2 == 57_344
+    assert helper.kv_bytes_per_token(2) == 2 * 28 * 2 * 128 * 2 == 28_672
+    assert BUILTIN["72b"].kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2
+    # Qwen2.5-Math-7B: 28 layers of (q,k,v with bias, o, SwiGLU 18944, 2 norms), untied 152064 x 3584 embeddings
+    layer = (3584 * 3584 + 3584) + 2 * (3584 * 512 + 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
+    assert base.n_params == 28 * layer + 2 * 152064 * 3584 + 3584 == 7_615_616_512
+    assert base.matmul_params == base.n_params - 152064 * 3584
+    e = estimate(base, helper, budget=64, buffer=128, kv_bytes=2, contexts=parse_contexts("1k,4k,32k"))
+    assert [p.ctx for p in e.points] == [1024, 4096, 32768]
+    p = e.points[1]
+    assert p.full_kv == 4096 * 57_344 and p.base_kv == 192 * 57_344 and p.helper_kv == 4096 * 28_672
+    assert p.full_flops == 2 * base.matmul_params + 4 * 28 * 28 * 128 * 4096
+    assert p.rescue_flops == (2 * base.matmul_params + 4 * 28 * 28 * 128 * 192
+                              + 2 * helper.matmul_params + 4 * 28 * 12 * 128 * 4096)
+    table = e.table()
+    row = next(line for line in table.splitlines() if line.lstrip().startswith("4,096"))
+    assert row.split()[:6] == ["4,096", "224.0", "10.5", "112.0", "122.5", f"{224 / 122.5:.2f}"]
+    assert "57,344 B/token" in table and "budget 64 + buffer 128 = 192" in table
+    assert "| 4,096 | 224.0 | 10.5 |" in e.table(markdown=True)
+    assert estimate(base, helper, kv_bytes=1).points[0].full_kv == 1024 * 57_344 / 2
+
+
+def test_estimate_reads_a_gguf_header(base_path):
+    spec = spec_from_gguf(base_path)
+    shape = TINY_BASE
+    assert (spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim) == (4, 128, 4, 2, 32)
+    assert spec.kv_bytes_per_token(2) == 2 * 4 * 2 * 32 * 2 == 1024
+    weights = random_qwen2_weights(shape, seed=1)
+    assert spec.n_params == sum(w.size for w in weights.values())
+    assert spec.matmul_params == spec.n_params, "tied embeddings: the table is the output head"
+    assert resolve_model(str(base_path)) == spec
+    assert resolve_model("Qwen2.5-Math-7B") == BUILTIN["7b"] and resolve_model("72B") == BUILTIN["72b"]
+    untied = qwen2_spec("x", 1, 8, 2, 1, 16, 10, tied=False, head_dim=4)
+    assert untied.n_params - untied.matmul_params == 80
+
+
+# --- commands --------------------------------------------------------------------------------------
+
+def cli():
+    group = ProjectErrorsAsOneLine("kvrescue-local")
+    for command in COMMANDS:
+        group.add_command(command)
+    return group
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli(), [str(a) for a in args])
+
+
+def test_report_command(runs, tmp_path):
+    lines, record = runs
+    results = write_jsonl(tmp_path / "results.jsonl", lines)
+    out = invoke("report", results)
+    assert out.exit_code == 0, out.output
+    assert "Table 2: ablation" in out.output and "Table 1: decode cost" in out.output
+    md = invoke("report", results, "--markdown")
+    assert md.exit_code == 0 and "| mode | budget | N | policy |" in md.output
+    traj = tmp_path / "trajectory.json"
+    traj.write_text(json.dumps(record))
+    page = invoke("report", results, "--html", traj, "--out", tmp_path / "view" / "t.html")
+    assert page.exit_code == 0, page.output
+    assert (tmp_path / "view" / "t.html").read_text().startswith("<!DOCTYPE html>")
+    default = invoke("report", results, "--html", traj)
+    assert default.exit_code == 0 and (tmp_path / "trajectory.html").exists()
+    if _has_matplotlib():
+        plotted = invoke("report", results, "--plots", tmp_path / "plots")
+        assert plotted.exit_code == 0 and "3 plots written" in plotted.output, plotted.output
+
+
+def _has_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_estimate_command(base_path, tmp_path):
+    out = invoke("estimate")
+    assert out.exit_code == 0, out.output
+    assert "Qwen2.5-Math-7B" in out.output and "57,344 B/token" in out.output and "32,768" in out.output
+    big = invoke("estimate", "--base", "72b", "--budget", "128", "--buffer", "64", "--kv-bytes", "1", "--contexts", "2k")
+    assert big.exit_code == 0 and f"{2048 * 2 * 80 * 8 * 128 / 2**20:,.1f}" in big.output
+    tiny = invoke("estimate", "--base", base_path, "--helper", base_path, "--contexts", "1024")
+    assert tiny.exit_code == 0 and "1,024 B/token" in tiny.output
+    if _has_matplotlib():
+        plotted = invoke("estimate", "--plot", tmp_path / "est.png")
+        assert plotted.exit_code == 0 and ink_fraction(tmp_path / "est.png") > 0.02
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit), result.exception
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+def test_bad_input_errors(tmp_path):
+    good = json.dumps(SYNTHETIC[0])
+    assert_one_line_error(invoke("report", tmp_path / "nope.jsonl"), "results file not found", "kvrescue-local bench")
+    assert_one_line_error(invoke("report", tmp_path), "is a directory")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    assert_one_line_error(invoke("report", tmp_path / "empty.jsonl"), "holds no results")
+    (tmp_path / "bad.jsonl").write_text(good + "\n" + good + "\n{not json\n")
+    assert_one_line_error(invoke("report", tmp_path / "bad.jsonl"), "bad.jsonl:3 is not JSON", "remove that line")
+    partial = {k: v for k, v in SYNTHETIC[0].items() if k not in ("timings", "correct")}
+    (tmp_path / "partial.jsonl").write_text(good + "\n" + json.dumps(partial) + "\n")
+    assert_one_line_error(invoke("report", tmp_path / "partial.jsonl"), "partial.jsonl:2 misses correct, timings")
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    assert_one_line_error(invoke("report", tmp_path / "list.jsonl"), "list.jsonl:1 is not a JSON object")
+    broken = json.loads(good)
+    broken["timings"]["total"] = "fast"
+    (tmp_path / "nan.jsonl").write_text(json.dumps(broken) + "\n")
+    assert_one_line_error(invoke("report", tmp_path / "nan.jsonl"), "nan.jsonl:1: timings.total is 'fast'")
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
+    assert_one_line_error(invoke("report", tmp_path / "bin.jsonl"), "not UTF-8")
+    results = write_jsonl(tmp_path / "ok.jsonl", SYNTHETIC)
+    assert_one_line_error(invoke("report", results, "--out", tmp_path / "x.html"), "--out", "--html")
+    (tmp_path / "t.json").write_text('{"problem": "x"}')
+    assert_one_line_error(invoke("report", results, "--html", tmp_path / "t.json"), "not a trajectory record",
+                          "solve --json")
+    assert_one_line_error(invoke("estimate", "--base", "13b"), "unknown model '13b'", "7b", ".gguf")
+    (tmp_path / "fake.gguf").write_text("hello")
+    assert_one_line_error(invoke("estimate", "--helper", tmp_path / "fake.gguf"), "is not a GGUF file")
+    assert_one_line_error(invoke("estimate", "--base", tmp_path / "missing.gguf"), "GGUF file not found")
+    assert_one_line_error(invoke("estimate", "--contexts", "1k,lots"), "context lengths")
+    assert_one_line_error(invoke("estimate", "--kv-bytes", "0"), "--kv-bytes must be positive")
+
+
+# --- the HTML viewer -------------------------------------------------------------------------------
+
+def hostile(record):
+    """The record with a candidate whose text tries to break out of the page."""
+    record = json.loads(json.dumps(record))
+    step = record["steps"][0]
+    step["candidates"][0]["text"] = INJECTION
+    record["problem"] = "<i>2+3</i> & \"quotes\" </title><script>x()</script>"
+    return record
+
+
+def test_viewer_escapes_everything(runs):
+    _, record = runs
+    page = render_html(hostile(record))
+    assert page.count("<script") == 1 and page.count("</script>") == 1, "only the viewer's own script"
+    assert "<img" not in page and "onerror=\"document" not in page
+    assert "&lt;script&gt;document.body.setAttribute(&quot;data-pwned&quot;" in page
+    assert "&lt;i&gt;2+3&lt;/i&gt; &amp; &quot;quotes&quot;" in page
+    assert '<span class="ctl" title="U+0008">\\x08</span>' in page and "&lt;U+202E&gt;" in page
+    assert "default-src &#x27;none&#x27;" in page and "http" not in page.replace("http-equiv", "")
+    n_killed = sum(c["finished"] == "killed" for s in record["steps"] for c in s["candidates"])
+    assert page.count('<tr class="killed') == n_killed > 0
+    assert page.count('<section class="step base"') == sum(s["source"] == "base" for s in record["steps"])
+    assert page.count('<section class="step helper"') == sum(s["source"] == "helper" for s in record["steps"])
+    with pytest.raises(KVRescueError, match="not a trajectory record"):
+        render_html({"steps": "none"})
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def chromium(*args, user_data: Path):
+    return subprocess.run([str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                           "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                           "--disable-sync", f"--user-data-dir={user_data}", "--enable-logging=stderr", "--v=0", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs /usr/bin/chromium (apt-get install chromium)")
+def test_viewer_renders_in_headless_chromium(runs, tmp_path):
+    _, record = runs
+    record = hostile(record)
+    page = write_html(record, tmp_path / "trajectory.html")
+    url = page.resolve().as_uri() + "#all"  # #all: the viewer opens every round's candidates
+    shot = tmp_path / "screenshot.png"
+    done = chromium(f"--screenshot={shot}", "--window-size=1200,900", url, user_data=tmp_path / "profile-1")
+    assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
+    width, height, _, _ = read_png(shot)
+    assert (width, height) == (1200, 900)
+    assert ink_fraction(shot) > 0.05, "the page rendered blank"
+    dom = chromium("--dump-dom", url, user_data=tmp_path / "profile-2")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    n_killed = sum(c["finished"] == "killed" for s in record["steps"] for c in s["candidates"])
+    assert 'data-viewer="ready"' in dom.stdout, "the viewer's script did not finish"
+    assert f'data-rendered="{record["n_steps"]} steps, {n_killed} killed"' in dom.stdout
+    body = re.search(r"<body[^>]*>", dom.stdout).group(0)
+    assert "data-pwned" not in body and "<img" not in dom.stdout and "<script" not in dom.stdout.split("<body", 1)[1]\
+        .replace("<script>", "", 1), "injected markup became elements"
+    assert dom.stdout.count("<details class=\"cands\" open") == record["n_steps"], "#all opened every round"
+    logs = done.stderr + dom.stderr
+    assert not re.search(r"Uncaught|SyntaxError|ReferenceError|TypeError|Refused to execute|violates the following|CONSOLE.*error",
+                         logs, re.I), logs[-2000:]
+    assert math.isfinite(record["timings"]["total"])
