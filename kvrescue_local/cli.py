@@ -120,7 +120,7 @@ def one_line(text: str, width: int = 100) -> str:
 @click.option("--mode", type=click.Choice(["full", "bon", "helper", "kvrescue"]), default="kvrescue", show_default=True)
 @click.option("-n", "--n", "n", type=int, default=8, show_default=True, help="candidates per model per round")
 @click.option("--budget", type=int, default=64, show_default=True, help="base KV budget (entries kept)")
-@click.option("--policy", default="streaming", show_default=True, help="eviction policy")
+@click.option("--policy", default="rkv", show_default=True, help="eviction policy: rkv, snapkv, h2o or streaming")
 @search_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, mode, n, budget, policy, json_path, **options) -> None:

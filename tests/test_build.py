@@ -44,8 +44,11 @@ def test_the_series_applies_to_the_pinned_sdist(build, tmp_path):
         pytest.skip("no cached sdist: run patches/build.py first")
     assert hashlib.sha256(sdist.read_bytes()).hexdigest() == build.SDIST_SHA256
     with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.name.endswith(("include/llama.h", "src/llama-context.cpp"))
-                   and "/vendor/llama.cpp/" in m.name]
+        touched = {line.split()[1].split("/", 1)[1] for p in build.patch_series()
+                   for line in p.read_text().splitlines() if line.startswith("--- a/")}
+        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name
+                   and m.name.split("/vendor/llama.cpp/", 1)[1] in touched]
+        assert len(members) == len(touched), "every file the series touches is in the sdist"
         root = Path(tar.getnames()[0]).parts[0]
         tar.extractall(tmp_path, members=members, filter="data")
     build.apply_patches(tmp_path / root / "vendor" / "llama.cpp", build.patch_series())

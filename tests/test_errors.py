@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.runtime import Context, ContextParams, Model, library_path
-from kvrescue_local.runtime.lib import bind_patch
+from kvrescue_local.runtime.lib import REQUIRED_PATCH_LEVEL, bind_patch
 
 
 def one_line(exc_info) -> str:
@@ -89,4 +89,4 @@ def test_bad_context_settings(base_model):
 def test_doctor_decodes_a_tiny_model():
     result = CliRunner().invoke(main, ["doctor"])
     assert result.exit_code == 0, result.output
-    assert "patch level: 1" in result.output and result.output.strip().endswith("ok")
+    assert f"patch level: {REQUIRED_PATCH_LEVEL}" in result.output and result.output.strip().endswith("ok")

@@ -54,30 +54,72 @@ def test_evicted_runs_cover_exactly_the_dropped_positions():
     assert evicted_runs(positions, kept) == [(1, 6), (9, 11)]
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("budget_size", [64, 256])
-def test_resident_cells_stay_within_budget_over_2000_tokens(base_model, budget_size):
-    budget = KVBudget(budget=budget_size, buffer=128, n_sink=4, window=8, policy="streaming")
-    n_seq = 4
-    ctx = Context(base_model, ContextParams(n_ctx=budget.context_cells(n_seq, 512), n_seq_max=n_seq))
+def test_resident_cells_stay_within_budget_over_2000_tokens(base_model, budget_size, policy):
+    """Two candidates decode together; each is budgeted on its own, exactly as its policy chose."""
+    budget = KVBudget(budget=budget_size, buffer=128, n_sink=4, window=8, policy=policy)
+    n_seq = 2
+    ctx = Context(base_model, ContextParams(n_ctx=budget.context_cells(n_seq, 512), n_seq_max=n_seq, flash_attn="off"))
     seqs = BudgetedSequences(ctx, budget)
     prompt = base_model.tokenize(PROMPT)
     ctx.prefill(0, prompt)
-    for s in range(1, n_seq):
-        ctx.fork(0, s)
-    tokens = np.array([ord(c) for c in "wxyz"], np.int32)
+    seqs.fork(0, 1)
+    tokens = np.array([ord("w"), ord("x")], np.int32)
+    fired = 0
     for _ in range(2000):
         ctx.step(range(n_seq), tokens)
         tokens = np.array([int(np.argmax(ctx.logits(i))) for i in range(n_seq)], np.int32)
         for s in range(n_seq):
-            fired = seqs.enforce(s)
-            n = ctx.n_cells(s)
-            assert n <= budget.limit
-            if fired:
-                _, positions = ctx.cells(s)
-                top = ctx.pos_max(s)
-                np.testing.assert_array_equal(positions, np.r_[0:4, top - budget_size + 5:top + 1])
-    assert seqs.evictions >= n_seq * (2000 + len(prompt) - budget.limit) // budget.buffer
+            if seqs.enforce(s):
+                fired += 1
+                inputs, kept = seqs.last_choice
+                again = budget.keep(inputs.positions, make_policy(policy).score(inputs), seqs.n_prompt)
+                np.testing.assert_array_equal(kept, again)
+                np.testing.assert_array_equal(ctx.cells(s)[1], inputs.positions[kept])
+                assert kept[-1], "the newest position is always kept"
+            assert ctx.n_cells(s) <= budget.limit
+    assert fired >= n_seq * (2000 + len(prompt) - budget.limit) // budget.buffer
     assert all(ctx.pos_max(s) == len(prompt) + 1999 for s in range(n_seq))
+
+
+def rkv_reference(inputs, budget, lam=0.1, kernel=7, similar=0.5):
+    """R-KV's selection written out directly from its definition (DESIGN.md §5), loop by loop."""
+    n = len(inputs.positions)
+    attention = np.array([max(inputs.window_attention[max(0, i - kernel // 2):i + kernel // 2 + 1]) for i in range(n)])
+    importance = attention / attention.sum()
+    keys = inputs.keys / np.linalg.norm(inputs.keys, axis=1, keepdims=True)
+    mean_similarity = np.zeros(n)
+    for i in range(n):
+        similar_later = [j for j in range(i + 1, n) if keys[i] @ keys[j] > similar]
+        exempt = similar_later[-1] if similar_later else None
+        mean_similarity[i] = sum(keys[i] @ keys[j] for j in range(n) if j not in (i, exempt)) / (n - 1)
+    redundancy = np.exp(mean_similarity - mean_similarity.max())
+    redundancy /= redundancy.sum()
+    score = lam * importance - (1 - lam) * redundancy
+    forced = set(range(budget.n_sink)) | set(range(n - budget.window, n))
+    free = sorted(set(range(n)) - forced, key=lambda i: (score[i], inputs.positions[i]), reverse=True)
+    keep = forced | set(free[: budget.budget - len(forced)])
+    return np.array([i in keep for i in range(n)])
+
+
+def test_rkv_selection_equals_the_formula_on_captured_inputs(base_model):
+    budget = KVBudget(budget=64, buffer=128, policy="rkv")
+    ctx = Context(base_model, ContextParams(n_ctx=1024, flash_attn="off"))
+    seqs = BudgetedSequences(ctx, budget)
+    row = ctx.prefill(0, base_model.tokenize(PROMPT))
+    checked = 0
+    for _ in range(600):
+        token = int(np.argmax(ctx.logits(row)))
+        ctx.step([0], [token])
+        row = 0
+        if seqs.enforce(0):
+            inputs, kept = seqs.last_choice
+            assert inputs.keys.shape == (len(inputs.positions), base_model.n_embd // 2)  # n_head_kv * head_dim
+            assert np.all(inputs.window_attention >= -1e-6) and inputs.window_attention.sum() > 0
+            np.testing.assert_array_equal(kept, rkv_reference(inputs, budget))
+            checked += 1
+    assert checked >= 3
 
 
 def test_a_budget_larger_than_the_generation_changes_nothing(base_model):

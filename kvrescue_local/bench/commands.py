@@ -41,7 +41,7 @@ def bench() -> None:
 @click.option("--modes", default="full,bon,kvrescue", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
 @click.option("--budgets", default="64", show_default=True, help="comma-separated base KV budgets")
 @click.option("--ns", default="8", show_default=True, help="comma-separated candidates per model")
-@click.option("--policies", default="streaming", show_default=True, help="comma-separated eviction policies")
+@click.option("--policies", default="rkv", show_default=True, help="comma-separated eviction policies")
 @search_options
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file the results are appended to")

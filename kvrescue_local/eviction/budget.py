@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import KVRescueError
 from ..runtime import Context
+from ..runtime.attention import cell_scores, copy_scores, enable_scores, key_rows
 from .base import EvictionInputs, Policy, make_policy
 
 
@@ -89,13 +90,21 @@ def evicted_runs(positions: np.ndarray, kept: np.ndarray) -> list[tuple[int, int
 
 @dataclass
 class BudgetedSequences:
-    """Applies a KVBudget to the sequences of one context; holds the per-sequence attention history."""
+    """Applies a KVBudget to the sequences of one context.
+
+    Attention policies read the patch's per-sequence scores: a cell's score is the attention it
+    received since its token was written (H2O's cumulative attention); the observation-window
+    attention is that minus a snapshot taken `window` tokens before the budget fires. R-KV also
+    reads the last layer's keys of the resident cells.
+    """
 
     ctx: Context
     config: KVBudget
     n_prompt: int = 0
     policy: Policy = field(init=False)
     evictions: int = 0
+    last_choice: tuple[EvictionInputs, np.ndarray] | None = None  # what the policy saw and kept, last time
+    snapshots: dict[int, dict[int, float]] = field(default_factory=dict)  # seq -> {position: score}
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.config.policy)
@@ -103,17 +112,43 @@ class BudgetedSequences:
             raise KVRescueError(f"{self.ctx.model.path.name} is a recurrent or hybrid model: its memory cannot "
                                 "drop single positions, so KV eviction needs a pure-attention model")
         if self.policy.needs_attention:
-            raise KVRescueError(f"policy {self.config.policy!r} needs attention scores from llama.cpp, which this "
-                                "build does not provide yet: use --policy streaming")
+            enable_scores(self.ctx, self.config.window)
+
+    def fork(self, src: int, dst: int) -> None:
+        self.ctx.fork(src, dst)
+        if self.policy.needs_attention:
+            copy_scores(self.ctx, src, dst)
+            self.snapshots.pop(dst, None)
+            if src in self.snapshots:
+                self.snapshots[dst] = dict(self.snapshots[src])
+
+    def drop(self, seq_id: int) -> None:
+        self.ctx.drop(seq_id)
+        self.snapshots.pop(seq_id, None)
 
     def enforce(self, seq_id: int) -> bool:
         """Evict seq_id back to the budget if it reached budget + buffer; True if it evicted."""
-        if self.ctx.n_cells(seq_id) < self.config.limit:
+        n = self.ctx.n_cells(seq_id)
+        if self.policy.needs_attention and n == self.config.limit - self.config.window:
+            cells, positions = self.ctx.cells(seq_id)
+            self.snapshots[seq_id] = dict(zip(positions.tolist(), cell_scores(self.ctx, seq_id)[cells].tolist()))
+        if n < self.config.limit:
             return False
-        _, positions = self.ctx.cells(seq_id)
-        inputs = EvictionInputs(positions=positions)
+        cells, positions = self.ctx.cells(seq_id)
+        inputs = self.inputs(seq_id, cells, positions)
         kept = self.config.keep(positions, self.policy.score(inputs), self.n_prompt)
         for p0, p1 in evicted_runs(positions, kept):
             self.ctx.remove(seq_id, p0, p1)
+        self.snapshots.pop(seq_id, None)
+        self.last_choice = (inputs, kept)
         self.evictions += 1
         return True
+
+    def inputs(self, seq_id: int, cells: np.ndarray, positions: np.ndarray) -> EvictionInputs:
+        if not self.policy.needs_attention:
+            return EvictionInputs(positions=positions)
+        cumulative = cell_scores(self.ctx, seq_id)[cells].astype(np.float64)
+        before = self.snapshots.get(seq_id, {})
+        window = cumulative - np.array([before.get(p, 0.0) for p in positions.tolist()])
+        keys = key_rows(self.ctx, self.ctx.model.n_layer - 1, cells) if self.policy.needs_keys else None
+        return EvictionInputs(positions, window_attention=window, cumulative_attention=cumulative, keys=keys)

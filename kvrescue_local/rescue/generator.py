@@ -79,9 +79,15 @@ class Generator:
         self.row = -1
 
     # --- the committed sequence ------------------------------------------
+    def fork(self, src: int, dst: int) -> None:
+        (self.budget or self.ctx).fork(src, dst)
+
+    def drop(self, seq: int) -> None:
+        (self.budget or self.ctx).drop(seq)
+
     def start(self, prompt: np.ndarray) -> None:
         for seq in range(self.n + 1):
-            self.ctx.drop(seq)
+            self.drop(seq)
         self.tokens_generated = 0
         if self.budget:
             self.budget.n_prompt = len(prompt)
@@ -120,7 +126,7 @@ class Generator:
                       for i in range(self.n)]
         first_logits = self.ctx.logits(self.row) if detector else None
         for cand, sampler in zip(candidates, samplers):
-            self.ctx.fork(COMMITTED, cand.seq)
+            self.fork(COMMITTED, cand.seq)
             self.accept(cand, sampler.sample(self.ctx, self.row), first_logits)
         self.peak_cells = 0
         while True:
@@ -154,11 +160,11 @@ class Generator:
 
     def drop_candidates(self) -> None:
         for seq in range(1, self.n + 1):
-            self.ctx.drop(seq)
+            self.drop(seq)
 
     def commit_own(self, cand: Candidate) -> None:
         """The winner is ours: its sequence becomes the committed one (no re-encoding)."""
-        self.ctx.fork(cand.seq, COMMITTED)
+        self.fork(cand.seq, COMMITTED)
         self.drop_candidates()
         if cand.pending is not None:
             self.ingest([cand.pending])

@@ -12,7 +12,7 @@ import sys
 
 from ..errors import KVRescueError
 
-REQUIRED_PATCH_LEVEL = 1
+REQUIRED_PATCH_LEVEL = 2
 REBUILD_HINT = "run `python3 patches/build.py` (README: set-up) to install the patched build"
 
 
@@ -47,6 +47,18 @@ def bind_patch(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llama_kvr_seq_cells.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_int32),
                                         ctypes.POINTER(ctypes.c_int32), ctypes.c_int32]
     lib.llama_kvr_seq_cells.restype = ctypes.c_int32
+    f32p = ctypes.POINTER(ctypes.c_float)
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    lib.llama_kvr_attn_enable.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.llama_kvr_attn_enable.restype = ctypes.c_int32
+    lib.llama_kvr_attn_reset.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.llama_kvr_attn_reset.restype = None
+    lib.llama_kvr_attn_copy.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+    lib.llama_kvr_attn_copy.restype = None
+    lib.llama_kvr_attn_get.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, f32p, ctypes.c_int32]
+    lib.llama_kvr_attn_get.restype = ctypes.c_int32
+    lib.llama_kvr_k_rows.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, ctypes.c_int32, f32p]
+    lib.llama_kvr_k_rows.restype = ctypes.c_int32
     return lib
 
 

@@ -1,0 +1,125 @@
+"""Per-sequence attention scores and K rows, computed inside llama.cpp's graph (patch 0002).
+
+Once `enable_scores(ctx, n_obs)` is on, every llama_decode adds, for each sequence in
+the batch, the attention that its last `n_obs` tokens of that batch pay to each KV cell
+(softmax over keys with the model's own mask and scale, summed over heads) into a
+per-layer, per-sequence accumulator that lives on the device of that layer's K cache.
+Scores are indexed by cell (see `Context.cells` for the cell -> position map); a cell's
+scores restart from zero when a new token is written into it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from ..errors import KVRescueError
+from .context import Context
+from .lib import llama, patched
+
+_F32P = ctypes.POINTER(ctypes.c_float)
+_I32P = ctypes.POINTER(ctypes.c_int32)
+
+
+def enable_scores(ctx: Context, n_obs: int) -> None:
+    """Accumulate attention scores from the last n_obs tokens of each sequence per decode; 0 turns it off."""
+    if n_obs < 0:
+        raise KVRescueError(f"n_obs must be >= 0 (0 turns attention scores off), got {n_obs}")
+    rc = patched().llama_kvr_attn_enable(ctx.handle, int(n_obs))
+    if rc == -1:
+        raise KVRescueError("attention scores need a plain attention KV cache, and this model's memory is recurrent, "
+                            "hybrid or sliding-window: use a pure-attention model")
+    if rc == -2:
+        raise KVRescueError("attention scores need a unified KV cache: create the context with "
+                            "ContextParams(kv_unified=True)")
+    if rc == -4:
+        raise KVRescueError("could not allocate the attention score buffers (n_ctx x n_seq_max floats per layer): "
+                            "lower n_ctx or n_seq_max, or free device memory")
+    if rc != 0:
+        raise KVRescueError(f"llama_kvr_attn_enable failed with status {rc}")
+
+
+def reset_scores(ctx: Context, seq_id: int = -1) -> None:
+    """Zero the scores of seq_id (-1: every sequence)."""
+    if seq_id >= 0:
+        ctx.check_seq(seq_id)
+    patched().llama_kvr_attn_reset(ctx.handle, int(seq_id))
+
+
+def copy_scores(ctx: Context, src: int, dst: int) -> None:
+    """Give dst the scores of src (after `ctx.fork(src, dst)`, so the fork starts with its parent's scores)."""
+    ctx.check_seq(src)
+    ctx.check_seq(dst)
+    patched().llama_kvr_attn_copy(ctx.handle, int(src), int(dst))
+
+
+def check_layer(ctx: Context, layer: int, allow_sum: bool) -> None:
+    n_layer = ctx.model.n_layer
+    low = -1 if allow_sum else 0
+    if not low <= layer < n_layer:
+        hint = " (-1 sums the layers)" if allow_sum else ""
+        raise KVRescueError(f"layer {layer} is out of range: this model has layers 0..{n_layer - 1}{hint}")
+
+
+def cell_scores(ctx: Context, seq_id: int, layer: int = -1) -> np.ndarray:
+    """Accumulated scores of seq_id, one per KV cell (length ctx.n_ctx): one layer, or summed over layers (-1)."""
+    ctx.check_seq(seq_id)
+    check_layer(ctx, layer, allow_sum=True)
+    out = np.zeros(ctx.n_ctx, np.float32)
+    n = patched().llama_kvr_attn_get(ctx.handle, int(seq_id), int(layer), out.ctypes.data_as(_F32P), ctx.n_ctx)
+    if n == -1:
+        raise KVRescueError("attention scores are not enabled on this context: call enable_scores(ctx, n_obs) "
+                            "before decoding")
+    if n == -2:
+        raise KVRescueError(f"sequence id {seq_id} is beyond this context's n_seq_max={ctx.n_seq_max}: "
+                            "create it with a larger n_seq_max")
+    if n == -3:
+        raise KVRescueError(f"layer {layer} has no KV cache in this context: pick a layer that has one")
+    if n < 0:
+        raise KVRescueError(f"llama_kvr_attn_get failed with status {n}")
+    return out
+
+
+def n_embd_k_gqa(ctx: Context) -> int:
+    """Width of one K row: key head size times the number of KV heads."""
+    low = llama()
+    model = ctx.model.handle
+    n_head = low.llama_model_n_head(model)
+    n_head_kv = low.llama_model_n_head_kv(model)
+    head_k = ctx.model.n_embd // n_head
+    arch = _meta(model, "general.architecture")
+    if arch:
+        key_length = _meta(model, f"{arch}.attention.key_length")
+        if key_length:
+            head_k = int(key_length)
+    return head_k * n_head_kv
+
+
+def _meta(model, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(256)
+    n = llama().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode() if n >= 0 else None
+
+
+def key_rows(ctx: Context, layer: int, cells) -> np.ndarray:
+    """K vectors (post-RoPE, F32) of the given cells in layer: [len(cells), n_embd_k_gqa]."""
+    check_layer(ctx, layer, allow_sum=False)
+    cells = np.ascontiguousarray(cells, dtype=np.int32).reshape(-1)
+    if len(cells) and (cells.min() < 0 or cells.max() >= ctx.n_ctx):
+        raise KVRescueError(f"cell index out of range [0, {ctx.n_ctx}): take cells from ctx.cells(seq_id)")
+    out = np.zeros((len(cells), n_embd_k_gqa(ctx)), np.float32)
+    if len(cells) == 0:
+        return out
+    n = patched().llama_kvr_k_rows(ctx.handle, int(layer), cells.ctypes.data_as(_I32P), len(cells),
+                                   out.ctypes.data_as(_F32P))
+    if n == -1:
+        raise KVRescueError("K rows need a plain attention KV cache, and this model's memory is recurrent, hybrid "
+                            "or sliding-window: use a pure-attention model")
+    if n == -3:
+        raise KVRescueError(f"layer {layer} has no KV cache in this context: pick a layer that has one")
+    if n == -5:
+        raise KVRescueError("this K cache type cannot be converted to F32: use kv_type 'f32', 'f16' or 'q8_0'")
+    if n != len(cells):
+        raise KVRescueError(f"llama_kvr_k_rows failed with status {n}")
+    return out

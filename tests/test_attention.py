@@ -1,0 +1,283 @@
+"""Per-sequence attention scores and K rows from llama.cpp's graph (patch 0002), on the tiny models.
+
+The reference is llama.cpp's own attention: the `kq_soft_max-<il>` (and `Kcur-<il>`) tensors
+captured through the `cb_eval` context parameter with flash attention off.
+"""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from kvrescue_local.errors import KVRescueError
+from kvrescue_local.runtime import Context, ContextParams, llama
+from kvrescue_local.runtime.attention import (cell_scores, copy_scores, enable_scores, key_rows, n_embd_k_gqa,
+                                              reset_scores)
+
+PROMPT = "<|im_start|>user\nCompute a+b where a=17 and b=25.<|im_end|>\n<|im_start|>assistant\n"
+EXACT = dict(kv_type="f32", flash_attn="off")
+N_OBS = 4
+GGML_TYPE_F32 = 0
+
+
+# --- cb_eval reference --------------------------------------------------------------------
+
+class GGMLTensor(ctypes.Structure):
+    """The head of struct ggml_tensor (ggml.h of the pinned llama.cpp) up to the fields read here."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+class Capture:
+    """Copies the named graph tensors of the last llama_decode (CPU backend: data is host memory)."""
+
+    def __init__(self, prefixes=("kq_soft_max-", "Kcur-")):
+        self.prefixes = prefixes
+        self.tensors: dict[str, np.ndarray] = {}
+        self.callback = llama().ggml_backend_sched_eval_callback(self._on_tensor)
+
+    def _on_tensor(self, t, ask, user_data):
+        tensor = ctypes.cast(t, ctypes.POINTER(GGMLTensor)).contents
+        name = tensor.name.decode()
+        wanted = name.startswith(self.prefixes)
+        if ask:
+            return wanted
+        if wanted:
+            assert tensor.type == GGML_TYPE_F32
+            ne = list(tensor.ne)
+            assert tensor.nb[0] == 4 and tensor.nb[1] == 4 * ne[0] and tensor.nb[2] == tensor.nb[1] * ne[1], name
+            data = ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float))
+            self.tensors[name] = np.ctypeslib.as_array(data, shape=(ne[3], ne[2], ne[1], ne[0]))[0].copy()
+        return True
+
+    def softmax(self, il: int) -> np.ndarray:
+        """[n_head, n_tokens, n_kv] attention probabilities of layer il in the last decode."""
+        return self.tensors[f"kq_soft_max-{il}"]
+
+
+def capturing_context(monkeypatch, model, params: ContextParams, capture: Capture) -> Context:
+    """A Context whose llama_context_params carry capture's cb_eval (fixed at creation)."""
+    low = llama()
+    original = low.llama_init_from_model
+
+    def init_with_callback(model_handle, cparams):
+        cparams.cb_eval = capture.callback
+        cparams.cb_eval_user_data = None
+        return original(model_handle, cparams)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(low, "llama_init_from_model", init_with_callback)
+        return Context(model, params)
+
+
+def observation_rows(seq_ids, n_obs: int) -> dict[int, list[int]]:
+    """Batch rows observed per sequence: its last n_obs tokens of the batch."""
+    rows: dict[int, list[int]] = {}
+    for i, s in enumerate(seq_ids):
+        rows.setdefault(int(s), []).append(i)
+    return {s: r[-n_obs:] for s, r in rows.items()}
+
+
+class Reference:
+    """Scores accumulated in numpy from the captured softmax, per (layer, sequence), indexed by cell."""
+
+    def __init__(self, ctx: Context, n_layer: int):
+        self.ctx = ctx
+        self.n_layer = n_layer
+        self.scores = np.zeros((n_layer, ctx.n_seq_max, ctx.n_ctx))
+
+    def after_decode(self, capture: Capture, seq_ids, new_positions: dict[int, list[int]]) -> None:
+        # cells that received a token in this decode restart from zero for every sequence
+        for s, positions in new_positions.items():
+            cells, pos = self.ctx.cells(s)
+            self.scores[:, :, cells[np.isin(pos, positions)]] = 0.0
+        for il in range(self.n_layer):
+            probs = capture.softmax(il)  # [n_head, n_tokens, n_kv]
+            for s, rows in observation_rows(seq_ids, N_OBS).items():
+                self.scores[il, s, :probs.shape[2]] += probs[:, rows, :].sum(axis=(0, 1))
+
+
+def decode_and_track(ctx, ref, capture, tokens, seq_ids):
+    """ctx.decode one batch (new tokens at each sequence's next positions) and update the reference."""
+    seq_ids = np.asarray(seq_ids, np.int32)
+    start = {int(s): ctx.pos_max(int(s)) + 1 for s in set(seq_ids.tolist())}
+    positions, new_positions = [], {}
+    for s in seq_ids:
+        p = start[int(s)] + len(new_positions.get(int(s), []))
+        new_positions.setdefault(int(s), []).append(p)
+        positions.append(p)
+    ctx.decode(np.asarray(tokens, np.int32), np.asarray(positions, np.int32), seq_ids, np.ones(len(tokens), np.int8))
+    ref.after_decode(capture, seq_ids, new_positions)
+
+
+def relative_error(actual, expected) -> float:
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+# --- tests --------------------------------------------------------------------------------
+
+def test_scores_match_the_softmax_of_llama_cpp_across_decodes_and_eviction(base_model, monkeypatch):
+    capture = Capture()
+    ctx = capturing_context(monkeypatch, base_model, ContextParams(n_ctx=256, **EXACT), capture)
+    enable_scores(ctx, N_OBS)
+    ref = Reference(ctx, base_model.n_layer)
+    prompt = base_model.tokenize(PROMPT)
+
+    decode_and_track(ctx, ref, capture, prompt, np.zeros(len(prompt)))
+    for token in b"x=42":
+        decode_and_track(ctx, ref, capture, [token], [0])
+    # evict a middle range: the next tokens reuse the freed cells, whose old scores must not survive
+    ctx.remove(0, 5, 15)
+    for token in b"so a+b":
+        decode_and_track(ctx, ref, capture, [token], [0])
+    reused = ctx.cells(0)[0][-6:]
+    assert (reused < len(prompt)).any(), "the test expects freed cells to be reused"
+    decode_and_track(ctx, ref, capture, list(b" is 42.\n\n"), np.zeros(9))
+
+    for il in range(base_model.n_layer):
+        assert relative_error(cell_scores(ctx, 0, il), ref.scores[il, 0]) <= 1e-5
+    assert relative_error(cell_scores(ctx, 0), ref.scores[:, 0].sum(axis=0)) <= 1e-5
+
+
+def test_flash_attention_on_and_off_agree(base_model):
+    prompt = base_model.tokenize(PROMPT)
+    scores = {}
+    for fa in ("off", "on"):
+        ctx = Context(base_model, ContextParams(n_ctx=256, flash_attn=fa, kv_type="f16"))
+        enable_scores(ctx, N_OBS)
+        ctx.prefill(0, prompt)
+        for token in b"a+b=42":
+            ctx.step([0], [token])
+        scores[fa] = [cell_scores(ctx, 0, il) for il in range(base_model.n_layer)] + [cell_scores(ctx, 0)]
+        ctx.free()
+    for on, off in zip(scores["on"], scores["off"]):
+        assert relative_error(on, off) <= 5e-3
+
+
+def test_eight_candidates_decoded_together_score_like_each_alone(base_model):
+    prompt = base_model.tokenize(PROMPT)
+    batched = Context(base_model, ContextParams(n_ctx=512, n_seq_max=8, **EXACT))
+    enable_scores(batched, N_OBS)
+    batched.prefill(0, prompt)
+    for seq in range(1, 8):
+        batched.fork(0, seq)
+        copy_scores(batched, 0, seq)
+    tokens = np.array([ord(c) for c in "abcdefgh"], np.int32)
+    history = [tokens]
+    for _ in range(4):
+        batched.step(np.arange(8), tokens)
+        tokens = np.array([np.argmax(batched.logits(i)) for i in range(8)], np.int32)
+        history.append(tokens)
+    history = np.array(history[:-1])  # [step, seq]: the tokens each candidate decoded
+
+    held = {seq: batched.cells(seq) for seq in range(8)}
+    for seq in range(8):
+        mine = cell_scores(batched, seq)
+        others = np.setdiff1d(np.concatenate([held[s][0] for s in range(8)]), held[seq][0])
+        assert len(others) == 7 * 4
+        assert np.all(mine[others] == 0.0), "another candidate's attention landed in this candidate's column"
+
+        alone = Context(base_model, ContextParams(n_ctx=512, n_seq_max=1, **EXACT))
+        enable_scores(alone, N_OBS)
+        alone.prefill(0, prompt)
+        for token in history[:, seq]:
+            alone.step([0], [token])
+        for layer in [*range(base_model.n_layer), -1]:
+            cells_b, pos_b = held[seq]
+            cells_a, pos_a = alone.cells(0)
+            np.testing.assert_array_equal(pos_a, pos_b)
+            expected = cell_scores(alone, 0, layer)[cells_a]
+            actual = cell_scores(batched, seq, layer)[cells_b]
+            assert relative_error(actual, expected) <= 1e-5, (seq, layer)
+        alone.free()
+
+
+def test_reset_copy_and_disable(base_model):
+    ctx = Context(base_model, ContextParams(n_ctx=256, n_seq_max=3, **EXACT))
+    with pytest.raises(KVRescueError, match="enable_scores"):
+        cell_scores(ctx, 0)
+    enable_scores(ctx, N_OBS)
+    prompt = base_model.tokenize(PROMPT)
+    ctx.prefill(0, prompt)
+    ctx.fork(0, 1)
+    ctx.step([0, 1], [ord("x"), ord("y")])
+    zero = np.zeros(ctx.n_ctx, np.float32)
+    first, second = cell_scores(ctx, 0), cell_scores(ctx, 1)
+    assert first.sum() > 0 and second.sum() > 0
+    assert not np.array_equal(first, second)
+
+    reset_scores(ctx, 1)
+    np.testing.assert_array_equal(cell_scores(ctx, 1), zero)
+    np.testing.assert_array_equal(cell_scores(ctx, 0), first)
+    copy_scores(ctx, 0, 2)
+    for layer in range(base_model.n_layer):
+        np.testing.assert_array_equal(cell_scores(ctx, 2, layer), cell_scores(ctx, 0, layer))
+    reset_scores(ctx)
+    for seq in range(3):
+        np.testing.assert_array_equal(cell_scores(ctx, seq), zero)
+
+    # scores keep accumulating after a reset, and per layer they sum to n_head per observation row
+    ctx.step([0], [ord("z")])
+    assert cell_scores(ctx, 0, 1).sum() == pytest.approx(4, rel=1e-5)
+
+    with pytest.raises(KVRescueError, match="n_seq_max"):
+        cell_scores(ctx, 3)
+    with pytest.raises(KVRescueError, match="layer 4 is out of range"):
+        cell_scores(ctx, 0, base_model.n_layer)
+    with pytest.raises(KVRescueError, match="n_obs"):
+        enable_scores(ctx, -1)
+
+    enable_scores(ctx, 0)  # off: buffers freed, the graph loses the extra nodes
+    with pytest.raises(KVRescueError, match="enable_scores"):
+        cell_scores(ctx, 0)
+    ctx.step([0], [ord("w")])
+    enable_scores(ctx, 2)  # back on: fresh zero scores
+    np.testing.assert_array_equal(cell_scores(ctx, 0), zero)
+    ctx.step([0], [ord("v")])
+    assert cell_scores(ctx, 0, 0).sum() == pytest.approx(4, rel=1e-5)
+
+
+def test_key_rows_are_the_post_rope_keys(base_model, monkeypatch):
+    capture = Capture(prefixes=("Kcur-",))
+    ctx = capturing_context(monkeypatch, base_model, ContextParams(n_ctx=256, **EXACT), capture)
+    prompt = base_model.tokenize(PROMPT)
+    ctx.prefill(0, prompt)
+    cells, pos = ctx.cells(0)
+    width = n_embd_k_gqa(ctx)
+    assert width == 64  # tiny base: 2 KV heads of 32
+    pick = np.array([0, 7, 3, len(prompt) - 1])
+    for il in range(base_model.n_layer):
+        rows = key_rows(ctx, il, cells[pick])
+        assert rows.shape == (len(pick), width)
+        kcur = capture.tensors[f"Kcur-{il}"]  # [n_tokens, n_head_kv, head_dim]
+        expected = kcur.reshape(len(prompt), width)[pos[pick]]
+        np.testing.assert_allclose(rows, expected, rtol=0, atol=1e-6)
+    assert not np.allclose(rows[0], rows[1])
+    assert key_rows(ctx, 0, []).shape == (0, width)
+    with pytest.raises(KVRescueError, match="cell index out of range"):
+        key_rows(ctx, 0, [ctx.n_ctx])
+    with pytest.raises(KVRescueError, match="out of range"):
+        key_rows(ctx, -1, [0])
+
+    # an F16 cache gives the same keys to F16 precision
+    half = Context(base_model, ContextParams(n_ctx=256, kv_type="f16", flash_attn="off"))
+    half.prefill(0, prompt)
+    np.testing.assert_allclose(key_rows(half, 2, half.cells(0)[0]), key_rows(ctx, 2, cells), rtol=0, atol=2e-2)
+
+
+def test_enable_needs_a_unified_cache(base_model):
+    ctx = Context(base_model, ContextParams(n_ctx=512, n_seq_max=2, kv_unified=False, **EXACT))
+    with pytest.raises(KVRescueError, match="kv_unified=True"):
+        enable_scores(ctx, N_OBS)
