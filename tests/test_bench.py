@@ -92,7 +92,7 @@ def test_killed_sweep_resumes_without_duplicates_or_gaps(base_path, helper_path,
     rows = read_results(results)
     keys = [(r["dataset"], r["id"], r["config_key"]) for r in rows]
     assert len(keys) == len(set(keys)) == 40
-    assert {r["config_key"] for r in rows} == {"full-b0-n2-none", "kvrescue-b32-n2-streaming"}
+    assert {r["config_key"] for r in rows} == {"full-b0-n2-none", "kvrescue-b32-n2-rkv"}
     row = rows[0]
     assert set(row) >= {"gold", "answer", "correct", "degenerate", "n_steps", "tokens", "timings", "detector"}
     nothing = CliRunner().invoke(main, args + ["--resume"])
