@@ -95,6 +95,10 @@ def test_killed_sweep_resumes_without_duplicates_or_gaps(base_path, helper_path,
     assert {r["config_key"] for r in rows} == {"full-b0-n2-none", "kvrescue-b32-n2-rkv"}
     row = rows[0]
     assert set(row) >= {"gold", "answer", "correct", "degenerate", "n_steps", "tokens", "timings", "detector"}
+    report = CliRunner().invoke(main, ["report", str(results), "--plots", str(tmp_path / "plots")])
+    assert report.exit_code == 0, report.output
+    assert "full" in report.output and "kvrescue" in report.output and "pass@1" in report.output
+    assert (tmp_path / "plots" / "pass1_vs_budget.png").stat().st_size > 1000
     nothing = CliRunner().invoke(main, args + ["--resume"])
     assert "0 new results" in nothing.output
     other = CliRunner().invoke(main, args[:-2] + ["--results", str(results), "--resume", "--seed", "5"])
