@@ -166,6 +166,60 @@ from .bench.commands import bench  # noqa: E402  (commands live beside what they
 main.add_command(bench)
 
 
+@main.group()
+def toy() -> None:
+    """The toy world: a synthetic ledger task and the trained `toy` preset (CPU-sized)."""
+
+
+@toy.command("sample")
+@click.option("--seed", "-s", type=int, default=0, show_default=True)
+@click.option("--count", type=int, default=1, show_default=True)
+def toy_sample(seed: int, count: int) -> None:
+    """Print held-out toy problems (one per paragraph) with their answers: feed them to `solve --preset toy`."""
+    from .toy.task import problems
+
+    for p in problems(seed, count):
+        click.echo(f"{p.text}\n(answer {p.answer})\n")
+
+
+@toy.command("table")
+@click.option("--problems", "count", type=int, default=300, show_default=True, help="held-out problems per setting")
+@click.option("--seed", "-s", type=int, default=0, show_default=True, help="problems and sampling seed")
+@click.option("-n", "ns", type=int, multiple=True, default=(1, 8), show_default=True, help="candidates per model")
+@click.option("--budgets", default="32,48,64", show_default=True, help="base KV budgets, comma-separated")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the rows here")
+def toy_table(count: int, seed: int, ns: tuple[int, ...], budgets: str, json_path: Path | None) -> None:
+    """The paper's Table 2 in miniature on the toy preset: full KV, evicted best-of-N, helper, KV-Rescue."""
+    from .presets import load_preset
+    from .toy.table import detector_params, format_table, run_table, table_rows
+
+    preset = load_preset("toy")
+    rows = table_rows(ns, [int(b) for b in budgets.split(",")])
+    with click.progressbar(length=len(rows) * count, label=f"{len(rows)} settings x {count} problems",
+                           file=sys.stderr) as bar:
+        results = run_table(preset, rows, count, seed, detector_params(preset), progress=bar.update)
+    click.echo(format_table(results))
+    if json_path:
+        write_json_atomically(json_path, {"rows": results, "problems": count, "seed": seed})
+
+
+@toy.command("calibrate")
+@click.option("--problems", "count", type=int, default=40, show_default=True, help="calibration problems (not the table's)")
+def toy_calibrate(count: int) -> None:
+    """Fit the detector's thresholds to the toy preset's base candidates; writes detector.json beside the models."""
+    from .detect.calibrate import save_params
+    from .presets import load_preset
+    from .toy.table import calibrate_detector
+
+    preset = load_preset("toy")
+    with click.progressbar(length=count, label="calibrating", file=sys.stderr) as bar:
+        params, report = calibrate_detector(preset, count, progress=bar.update)
+    for name, fit in report.items():
+        click.echo(f"{name}: threshold {fit['threshold']:.3f}, separability {fit['separability']:.2f}"
+                   f"{'' if fit['used'] else ' (one mode: default kept)'}")
+    click.echo(f"wrote {save_params(params, preset.base.parent / 'detector.json')}")
+
+
 @models.command("list")
 def models_list() -> None:
     """The presets: bundled ones and those fetched from the Hugging Face hub."""

@@ -1,0 +1,181 @@
+"""The toy task: a ledger of named values, then a sum of some of them, solved one step at a time.
+
+    a=7 b=4 c=5 d=9 e=6 f=2 g=8 h=3
+    Compute a+d-c+g.
+
+is solved as "\\n\\n"-separated steps, a lookup then an addition per term, then the answer:
+
+    a=7             total=7
+    d=9             total=7+9=16
+    c=5             total=16-5=11   ...   \\boxed{19}
+
+Every lookup needs the ledger, stated early in the problem; knowing which term comes next and
+when to stop needs the question. Both sit far behind a small KV window, so an evicted model has a
+true information gap, while the additions only need the last two steps. Difficulty knobs: ledger
+size, number of terms, value range (digits), whether subtractions occur.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..gguf_export import CONTROL_TOKENS
+
+STEP_END = "\n\n"
+END = "<|im_end|>"
+# byte-level ids of kvrescue_local.gguf_export.byte_vocab(): byte b is id b, then the merges, then control tokens
+MERGED = {"\n\n": 256, "  ": 257}
+CONTROL = {t: 258 + i for i, t in enumerate(CONTROL_TOKENS)}
+N_VOCAB = 258 + len(CONTROL_TOKENS)
+PAD = CONTROL["<|endoftext|>"]
+
+
+@dataclass(frozen=True)
+class Knobs:
+    n_vars: int = 8  # ledger size (at most 26)
+    min_vars: int = 0  # if set, each ledger has between min_vars and n_vars entries (a training curriculum)
+    min_terms: int = 3
+    max_terms: int = 5
+    lo: int = 1  # value range, inclusive (10..99 makes the additions much harder to learn)
+    hi: int = 9
+    minus: bool = True  # allow subtractions (the running total never goes below zero)
+
+    def __post_init__(self) -> None:
+        if (not 1 <= self.min_terms <= self.max_terms <= self.n_vars <= 26 or not 0 <= self.lo <= self.hi
+                or self.min_vars > self.n_vars or 0 < self.min_vars < self.min_terms):
+            raise ValueError(f"bad toy task knobs: {self}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    ledger: dict[str, int]
+    terms: tuple[tuple[str, str], ...]  # (sign, name), the first sign is "+"
+    text: str = field(init=False)
+    steps: tuple[str, ...] = field(init=False)
+    answer: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        ledger = " ".join(f"{k}={v}" for k, v in self.ledger.items())
+        question = "".join((s if i else "") + name for i, (s, name) in enumerate(self.terms))
+        steps, total = [], 0
+        for i, (sign, name) in enumerate(self.terms):
+            value = self.ledger[name]
+            new = total + value if sign == "+" else total - value
+            steps.append(f"{name}={value}{STEP_END}")
+            steps.append(f"total={value}{STEP_END}" if i == 0 else f"total={total}{sign}{value}={new}{STEP_END}")
+            total = new
+        steps.append(f"\\boxed{{{total}}}")
+        object.__setattr__(self, "text", f"{ledger}\nCompute {question}.")
+        object.__setattr__(self, "steps", tuple(steps))
+        object.__setattr__(self, "answer", total)
+
+    @property
+    def solution(self) -> str:
+        return "".join(self.steps)
+
+
+def make_problem(rng: np.random.Generator, knobs: Knobs = Knobs()) -> Problem:
+    size = int(rng.integers(knobs.min_vars, knobs.n_vars + 1)) if knobs.min_vars else knobs.n_vars
+    names = list(string.ascii_lowercase[:size])
+    values = rng.integers(knobs.lo, knobs.hi + 1, size=size)
+    ledger = {k: int(v) for k, v in zip(names, values)}
+    n_terms = int(rng.integers(knobs.min_terms, min(knobs.max_terms, size) + 1))
+    chosen = [names[i] for i in rng.choice(size, size=n_terms, replace=False)]
+    terms, total = [], 0
+    for i, name in enumerate(chosen):
+        sign = "-" if i and knobs.minus and total >= ledger[name] and rng.random() < 0.4 else "+"
+        terms.append((sign, name))
+        total += ledger[name] if sign == "+" else -ledger[name]
+    return Problem(ledger, tuple(terms))
+
+
+def problems(seed: int, count: int, knobs: Knobs = Knobs()) -> list[Problem]:
+    """`count` problems, the same for the same seed (training uses seeds >= 1000, evaluation seed 0)."""
+    rng = np.random.default_rng(seed)
+    return [make_problem(rng, knobs) for _ in range(count)]
+
+
+def grade(problem: Problem, answer: str | None) -> bool:
+    """Exact match of the integer in the last \\boxed{}."""
+    try:
+        return answer is not None and int(answer.strip()) == problem.answer
+    except ValueError:
+        return False
+
+
+# The chat format of the real presets without the system turn: it would be 90 of the ~250 tokens the
+# models train on, and it carries nothing here. (The PRM reads the qwen-prm format, system turn included.)
+TOY_PROMPT = "<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def prompt(problem: Problem) -> str:
+    return TOY_PROMPT.format(problem=problem.text)
+
+
+def encode(text: str) -> list[int]:
+    """Token ids as llama.cpp's byte vocabulary gives them for this task's texts (checked in tests):
+    control tokens, "\\n\\n" and "  " merged, every other byte its own id."""
+    ids, i = [], 0
+    while i < len(text):
+        for piece, tid in (*CONTROL.items(), *MERGED.items()):
+            if text.startswith(piece, i):
+                ids.append(tid)
+                i += len(piece)
+                break
+        else:
+            ids.extend(text[i].encode())
+            i += 1
+    return ids
+
+
+# --- wrong steps, for the PRM ------------------------------------------------
+def wrong_step(problem: Problem, k: int, rng: np.random.Generator) -> str:
+    """A plausible but wrong step k given the correct steps before it: a wrong lookup, a wrong sum,
+    a wrong or premature answer, a step after the end, or garbled text."""
+    for _ in range(8):
+        step = corrupted(problem, k, rng)
+        if step != problem.steps[k]:
+            return step
+    return f"\\boxed{{{perturb(problem.answer, rng)}}}"
+
+
+def corrupted(problem: Problem, k: int, rng: np.random.Generator) -> str:
+    names = list(problem.ledger)
+    step = problem.steps[k]
+    kind = rng.integers(6)
+    if kind == 0:  # garbled: shuffled characters of the right step, or a repeat of an earlier step
+        if k >= 2 and rng.random() < 0.5:
+            return problem.steps[int(rng.integers(k - 1))]
+        chars = list(step.rstrip())
+        rng.shuffle(chars)
+        return "".join(chars) + STEP_END
+    if kind == 1 and k < len(problem.steps) - 1:  # premature or wrong answer
+        return f"\\boxed{{{int(rng.integers(0, 400))}}}"
+    if step.startswith("\\boxed"):  # an extra lookup, or a wrong final number
+        if rng.random() < 0.5:
+            name = names[int(rng.integers(len(names)))]
+            return f"{name}={problem.ledger[name]}{STEP_END}"
+        return f"\\boxed{{{perturb(problem.answer, rng)}}}"
+    if not step.startswith("total="):  # lookup: right name with a wrong value, or the wrong name
+        name, value = step.rstrip().split("=")
+        if rng.random() < 0.5:
+            other = [n for n in names if n != name]
+            name = other[int(rng.integers(len(other)))]
+            return f"{name}={problem.ledger[name]}{STEP_END}"
+        return f"{name}={perturb(int(value), rng)}{STEP_END}"
+    body = step[len("total="):-len(STEP_END)]  # addition: a wrong result or a wrong operand
+    head, _, result = body.rpartition("=")
+    if head and rng.random() < 0.5:
+        ops = head.replace("-", "+").split("+")
+        sign = "-" if "-" in head else "+"
+        return f"total={ops[0]}{sign}{perturb(int(ops[1]), rng)}={result}{STEP_END}"
+    return f"total={head + '=' if head else ''}{perturb(int(result), rng)}{STEP_END}"
+
+
+def perturb(x: int, rng: np.random.Generator) -> int:
+    """A different non-negative number, near x in the ways arithmetic slips are (a digit or a carry off)."""
+    delta = int(rng.choice([1, 2, 9, 10, 11, 20, 100]))
+    return x + delta if rng.random() < 0.5 or x < delta else x - delta

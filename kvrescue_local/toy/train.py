@@ -1,0 +1,244 @@
+"""Train the toy world's base, helper and PRM on CPU and export them as GGUF (needs the `train` extra).
+
+    python3 -m kvrescue_local.toy.train --out models/toy
+
+writes base.gguf, helper.gguf, prm.gguf + prm.head.npz and train.json (shapes, steps, times,
+greedy accuracies). The base is larger; the helper is smaller (weaker at the additions, but it keeps
+the full context); both learn through a curriculum of growing ledgers. The PRM starts from the
+base's weights and learns to tell correct steps from wrong ones (wrong lookups, wrong sums, wrong or
+premature answers, garbled steps). About 15 minutes on 1 busy CPU core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..gguf_export import Qwen2Shape, write_qwen2_gguf
+from ..prm import head_path
+from ..prm.formats import prm_format
+from .task import CONTROL, END, N_VOCAB, PAD, Knobs, encode, problems, prompt, wrong_step
+
+BASE = Qwen2Shape(n_embd=96, n_layer=3, n_head=4, n_head_kv=2, n_ff=288, n_ctx_train=1024)
+HELPER = Qwen2Shape(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=1024)
+# Lookups (an induction circuit) did not form within ~1500 steps on 8-entry ledgers; on 3-entry ledgers
+# they form in a few hundred, then carry over. So training grows the ledger: (knobs, share of the steps).
+CURRICULUM = ((Knobs(n_vars=3, min_terms=2, max_terms=3), 0.4), (Knobs(min_vars=3), 0.35), (Knobs(), 0.25))
+CKPT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local" / "toy-train"
+TRAIN_SEED = 1000  # evaluation problems use other seeds (see table.py)
+
+
+def lm_batch(rng: np.random.Generator, size: int, knobs: Knobs):
+    """Token ids and next-token targets; only the assistant's tokens are learned (-100 elsewhere)."""
+    import torch
+
+    rows, targets = [], []
+    for p in problems(int(rng.integers(2**31)), size, knobs):
+        head, body = encode(prompt(p)), encode(p.solution + END)
+        ids = head + body
+        rows.append(ids[:-1])
+        targets.append([-100] * (len(head) - 1) + body)
+    return pad(rows, PAD), pad(targets, -100)
+
+
+def prm_batch(rng: np.random.Generator, size: int, knobs: Knobs, wrong_share: float = 0.6):
+    """qwen-prm texts: a correct prefix, then (often) one wrong step; label per <extra_0> (-100 elsewhere)."""
+    fmt = prm_format("qwen-prm")
+    extra = CONTROL["<extra_0>"]
+    rows, labels = [], []
+    for p in problems(int(rng.integers(2**31)), size, knobs):
+        k = int(rng.integers(len(p.steps)))
+        steps = list(p.steps[:k + 1])
+        good = [1] * len(steps)
+        if rng.random() < wrong_share:
+            steps[k], good[k] = wrong_step(p, k, rng), 0
+        ids = encode(fmt.header(p.text, "<|endoftext|>"))
+        for step in steps:
+            ids += encode(fmt.step_text(step))
+        marks = iter(good)
+        rows.append(ids)
+        labels.append([next(marks) if t == extra else -100 for t in ids])
+    return pad(rows, PAD), pad(labels, -100)
+
+
+def pad(rows: list[list[int]], value: int):
+    import torch
+
+    width = max(map(len, rows))
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows])
+
+
+def schedule(step: int, steps: int, warmup: int = 100) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def fit(model, batches, steps: int, lr: float, loss_fn, name: str, log_every: int = 100) -> float:
+    """AdamW with warmup and cosine decay; returns seconds."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, steps))
+    started, running = time.perf_counter(), None
+    for step in range(steps):
+        x, y = batches()
+        loss = loss_fn(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            elapsed = time.perf_counter() - started
+            print(f"{name} step {step + 1}/{steps} loss {running:.4f} {elapsed / (step + 1):.2f} s/step", flush=True)
+    return time.perf_counter() - started
+
+
+def lm_loss(model, x, y):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def prm_loss(model, x, y):
+    """Cross-entropy at <extra_0> positions, the two classes weighted equally."""
+    import torch.nn.functional as F
+
+    logits, y = model(x).flatten(0, 1), y.flatten()
+    keep = y >= 0
+    losses = F.cross_entropy(logits[keep], y[keep], reduction="none")
+    return sum(losses[y[keep] == c].mean() for c in (0, 1) if (y[keep] == c).any())
+
+
+def greedy_accuracy(model, count: int = 100, seed: int = 7, knobs: Knobs = Knobs(), max_new: int = 200) -> float:
+    """Greedy solutions in torch (full context), graded by the integer in the last \\boxed{}."""
+    import torch
+
+    from ..rescue import last_boxed
+    from .task import grade
+
+    model.eval()
+    probs = problems(seed, count, knobs)
+    seqs = [encode(prompt(p)) for p in probs]
+    done = [False] * count
+    end = CONTROL[END]
+    with torch.no_grad():
+        for _ in range(max_new):
+            live = [i for i in range(count) if not done[i]]
+            if not live:
+                break
+            x = pad([seqs[i] for i in live], PAD)
+            lengths = torch.tensor([len(seqs[i]) for i in live])
+            nxt = model(x)[torch.arange(len(live)), lengths - 1].argmax(-1).tolist()
+            for i, t in zip(live, nxt):
+                seqs[i].append(t)
+                done[i] = t == end
+    model.train()
+    texts = [bytes(t for t in s[len(encode(prompt(p))):] if t < 256).decode() for s, p in zip(seqs, probs)]
+    return sum(grade(p, last_boxed(t)) for p, t in zip(probs, texts)) / count
+
+
+def train_lm(shape: Qwen2Shape, steps: int, lr: float, batch: int, seed: int, name: str, init=None):
+    """A language model on the task's solutions, through the curriculum; `init` (a Qwen2) to continue one."""
+    import torch
+
+    from .model import Qwen2
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(TRAIN_SEED + seed)
+    model = Qwen2(shape, N_VOCAB)
+    if init is not None:
+        model.load_state_dict(init.state_dict())
+    ends = np.cumsum([share for _, share in CURRICULUM]) * steps
+    done = iter(range(steps))
+
+    def batches():
+        step = next(done)
+        return lm_batch(rng, batch, CURRICULUM[int(np.searchsorted(ends, step, side="right"))][0])
+
+    seconds = fit(model, batches, steps, lr, lm_loss, name)
+    return model, seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("models/toy"))
+    parser.add_argument("--only", choices=["base", "helper", "prm"], action="append",
+                        help="train only these (others are taken from the checkpoint cache)")
+    parser.add_argument("--base-steps", type=int, default=1500)
+    parser.add_argument("--helper-steps", type=int, default=1500)
+    parser.add_argument("--prm-steps", type=int, default=400)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (2 OpenMP threads on 2 busy cores ran 7x slower than 1)")
+    parser.add_argument("--resume", action="store_true", help="continue the base from its last checkpoint")
+    parser.add_argument("--dtype", choices=["f16", "f32"], default="f16")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from .model import PRMModel, Qwen2
+
+    torch.set_num_threads(args.threads)
+    CKPT.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / "train.json"
+    todo = args.only or ["base", "helper", "prm"]
+    meta = {"kvrescue.toy": "trained by python3 -m kvrescue_local.toy.train"}
+
+    def export(name: str, model, shape: Qwen2Shape, steps: int, seconds: float, **extra) -> None:
+        torch.save(model.state_dict(), CKPT / f"{name}.pt")
+        write_qwen2_gguf(args.out / f"{name}.gguf", shape, model.gguf_weights(), name=f"toy-{name}",
+                         dtype=args.dtype, metadata=meta)
+        n_params = sum(p.numel() for p in model.parameters())
+        log = json.loads(log_path.read_text()) if log_path.exists() else {}
+        log[name] = {"shape": shape.__dict__, "params": n_params, "steps": steps, "batch": args.batch,
+                     "seconds": round(seconds, 1), **extra}
+        log_path.write_text(json.dumps(log, indent=1) + "\n")
+        print(f"{name}: {n_params} params, {steps} steps, {seconds / 60:.1f} min, {extra}", flush=True)
+
+    def trained_base():
+        model = Qwen2(BASE, N_VOCAB)
+        model.load_state_dict(torch.load(CKPT / "base.pt"))
+        return model
+
+    if "base" in todo:
+        init = trained_base() if args.resume else None
+        before = json.loads(log_path.read_text())["base"] if init is not None else {"steps": 0, "seconds": 0.0}
+        lr = 3e-3 if init is None else 2e-3
+        model, seconds = train_lm(BASE, args.base_steps, lr, args.batch, 1 + before["steps"], "base", init)
+        export("base", model, BASE, before["steps"] + args.base_steps, before["seconds"] + seconds,
+               greedy_accuracy=greedy_accuracy(model))
+    if "helper" in todo:
+        model, seconds = train_lm(HELPER, args.helper_steps, 3e-3, args.batch, 2, "helper")
+        export("helper", model, HELPER, args.helper_steps, seconds, greedy_accuracy=greedy_accuracy(model))
+    if "prm" in todo:
+        torch.manual_seed(3)
+        prm = PRMModel(trained_base())
+        rng = np.random.default_rng(TRAIN_SEED + 3)
+        seconds = fit(prm, lambda: prm_batch(rng, args.batch, Knobs()), args.prm_steps, 1e-3, prm_loss, "prm")
+        accuracy = prm_accuracy(prm)
+        export("prm", prm.backbone, BASE, args.prm_steps, seconds, step_accuracy=accuracy)
+        prm.reward_head().save(head_path(args.out / "prm.gguf"))
+
+
+def prm_accuracy(prm, count: int = 256) -> dict:
+    """Held-out accuracy of the PRM's step labels, correct and wrong steps separately."""
+    import torch
+
+    x, y = prm_batch(np.random.default_rng(11), count, Knobs(), wrong_share=0.5)
+    with torch.no_grad():
+        pred = prm(x).argmax(-1)
+    keep = y >= 0
+    return {f"label{c}": round(float((pred[keep & (y == c)] == c).float().mean()), 4) for c in (0, 1)}
+
+
+if __name__ == "__main__":
+    main()

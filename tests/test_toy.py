@@ -1,0 +1,113 @@
+"""The toy world: task generator, torch -> GGUF parity, the shipped `toy` preset and its table."""
+
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvrescue_local.cli import main
+from kvrescue_local.gguf_export import Qwen2Shape, write_qwen2_gguf
+from kvrescue_local.runtime import Context, ContextParams, Model
+from kvrescue_local.toy.task import END, N_VOCAB, Knobs, encode, grade, problems, prompt, wrong_step
+
+
+def solve_by_hand(text: str) -> int:
+    """The answer read off the problem text alone."""
+    ledger_line, question = text.split("\n")
+    ledger = dict((k, int(v)) for k, v in (item.split("=") for item in ledger_line.split()))
+    expr = question.removeprefix("Compute ").removesuffix(".")
+    return eval(re.sub(r"[a-z]", lambda m: str(ledger[m.group()]), expr))
+
+
+def test_generator_is_deterministic_and_correct_by_construction():
+    first, again, other = problems(3, 50), problems(3, 50), problems(4, 50)
+    assert [p.text for p in first] == [p.text for p in again]
+    assert [p.text for p in first] != [p.text for p in other]
+    for p in first:
+        assert solve_by_hand(p.text) == p.answer
+        assert p.steps[-1] == f"\\boxed{{{p.answer}}}" and all(s.endswith("\n\n") for s in p.steps[:-1])
+        assert len(p.steps) == 2 * len(p.terms) + 1
+        assert grade(p, str(p.answer)) and not grade(p, str(p.answer + 1)) and not grade(p, None)
+        assert all(int(s.rstrip().split("=")[-1]) >= 0 for s in p.steps if s.startswith("total="))
+
+
+def test_difficulty_knobs():
+    knobs = Knobs(n_vars=12, min_terms=6, max_terms=6, lo=100, hi=999, minus=False)
+    for p in problems(0, 20, knobs):
+        assert len(p.ledger) == 12 and len(p.terms) == 6
+        assert all(100 <= v <= 999 for v in p.ledger.values())
+        assert "-" not in p.text and solve_by_hand(p.text) == p.answer
+    sizes = {len(p.ledger) for p in problems(0, 50, Knobs(min_vars=3, min_terms=2))}
+    assert sizes == set(range(3, 9))
+    with pytest.raises(ValueError):
+        Knobs(n_vars=4, max_terms=5)
+
+
+def test_wrong_steps_are_wrong():
+    rng = np.random.default_rng(0)
+    for p in problems(1, 20):
+        for k, step in enumerate(p.steps):
+            assert wrong_step(p, k, rng) != step
+
+
+def test_encode_matches_llama_cpp_tokenizer(base_model):
+    for p in problems(2, 5):
+        text = prompt(p) + p.solution + END
+        assert encode(text) == base_model.tokenize(text).tolist()
+    assert N_VOCAB == base_model.n_vocab
+
+
+def test_llama_cpp_logits_match_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    from kvrescue_local.toy.model import Qwen2
+
+    torch.manual_seed(0)
+    shape = Qwen2Shape(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=96)
+    model = Qwen2(shape, N_VOCAB)
+    with torch.no_grad():  # away from the near-zero init, so that every weight matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    p = problems(0, 1)[0]
+    ids = encode(prompt(p) + p.solution + END)
+    gguf = Model(write_qwen2_gguf(tmp_path / "parity.gguf", shape, model.gguf_weights()))
+    ctx = Context(gguf, ContextParams(n_ctx=512, kv_type="f32", flash_attn="off"))
+    n = len(ids)
+    ctx.decode(np.array(ids, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.ones(n, np.int8))
+    ours = np.stack([ctx.logits(i) for i in range(n)])
+    with torch.no_grad():
+        theirs = model(torch.tensor([ids]))[0].numpy()
+    assert np.abs(theirs).max() > 0.5
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    from kvrescue_local.presets import load_preset
+
+    return load_preset("toy")
+
+
+def test_shipped_toy_preset_solves_held_out_problems(toy):
+    from kvrescue_local.rescue import Rescue
+    from kvrescue_local.toy.table import EVAL_SEED, Row, toy_config
+
+    engine = Rescue(toy_config(Row("full", 1)), Model(toy.base), None, None)
+    probs = problems(EVAL_SEED + 100, 8)
+    records = [engine.solve(p.text).record() for p in probs]
+    assert all(r["text"].startswith(p.steps[0].split("=")[0] + "=") for p, r in zip(probs, records))
+    assert all(r["stop"] == "eos" and r["answer"] is not None for r in records)
+    # the shipped base solves ~16% greedily (not the >= 85% aimed at: see train.json); a random
+    # or broken model gets an exact integer right about 1 time in 30
+    assert sum(grade(p, r["answer"]) for p, r in zip(probs, records)) >= 2
+
+
+def test_toy_table_command(toy):
+    result = CliRunner().invoke(main, ["toy", "table", "--problems", "2", "-n", "1", "--budgets", "32"])
+    assert result.exit_code == 0, result.output
+    for column in ("setting", "acc %", "degen %", "base tok", "steps", "exit %"):
+        assert column in result.output
+    for setting in ("full KV", "evicted best-of-N @32", "helper alone", "KV-Rescue @32"):
+        assert setting in result.output
+    sample = CliRunner().invoke(main, ["toy", "sample", "--count", "2"])
+    assert sample.exit_code == 0 and sample.output.count("Compute") == 2
