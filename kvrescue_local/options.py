@@ -28,6 +28,8 @@ SEARCH_OPTIONS = [
     click.option("--top-p", type=float, default=0.8, show_default=True),
     click.option("--seed", "-s", type=int, default=0, show_default=True),
     click.option("--n-gpu-layers", "-ngl", type=int, default=0, show_default=True),
+    click.option("--threads", "-t", type=int, default=0, show_default=True,
+                 help="llama.cpp threads (0: all cores; use fewer when other work shares the cores)"),
     click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), default="off", show_default=True),
     click.option("--max-tokens", type=int, default=4096, show_default=True, help="trajectory length cap"),
     click.option("--max-steps", type=int, default=512, show_default=True),
@@ -55,7 +57,7 @@ def template_config(mode: str, n: int, budget: int, policy: str, options: dict) 
         detector=DetectorParams(tau_entropy=o["tau_entropy"], tau_compression=o["tau_compression"]),
         max_tokens=o["max_tokens"], max_steps=o["max_steps"], max_step_tokens=o["max_step_tokens"],
         temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"], n_gpu_layers=o["n_gpu_layers"],
-        flash_attn=o["flash_attn"])
+        flash_attn=o["flash_attn"], n_threads=o["threads"])
 
 
 PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
@@ -82,7 +84,8 @@ def open_models(options: dict, needs_base: bool, needs_helper: bool, max_candida
     base = Model(path["base"], n_gpu_layers=ngl) if needs_base else None
     helper = Model(path["helper"], n_gpu_layers=ngl) if needs_helper else None
     longest = max(len(p.encode()) for p in problems)
-    prm_params = PRMParams(max_candidates=max_candidates, n_gpu_layers=ngl, flash_attn=o["flash_attn"])
+    prm_params = PRMParams(max_candidates=max_candidates, n_gpu_layers=ngl, flash_attn=o["flash_attn"],
+                           n_threads=o["threads"])
     prm_params = dataclasses.replace(prm_params, n_ctx=longest + PRM_TEMPLATE_TOKENS + o["max_tokens"] + prm_params.n_batch)
     prm = PRM(path["prm"], prm_params)
     return base, helper, prm

@@ -147,3 +147,14 @@ def test_ctrl_c_during_solve_leaves_no_output_file(base_path, helper_path, tiny_
     assert proc.returncode == 130
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert not out.exists() and not list(tmp_path.glob(".*tmp"))
+
+
+def test_thread_count_reaches_every_llama_context(base_model, helper_model, tiny_prm_path):
+    from kvrescue_local.prm import PRM, PRMParams
+    from kvrescue_local.runtime import llama
+
+    prm = PRM(tiny_prm_path, PRMParams(n_ctx=1024, max_candidates=6, n_threads=1))
+    engine = Rescue(config(n_threads=1), base_model, helper_model, prm)
+    contexts = [g.ctx for g in engine.sides.values()] + [prm.ctx]
+    assert [llama().llama_n_threads(c.handle) for c in contexts] == [1, 1, 1]
+    assert engine.solve(PROBLEM).record()["n_steps"] >= 1

@@ -30,6 +30,7 @@ class PRMParams:
     n_batch: int = 512
     kv_type: str = "f16"
     flash_attn: str = "auto"
+    n_threads: int = 0
 
 
 class PRM:
@@ -40,7 +41,8 @@ class PRM:
         self.format = prm_format(self.head.format)
         self.ctx = Context(self.model, ContextParams(
             n_ctx=params.n_ctx, n_seq_max=params.max_candidates + 1, n_batch=params.n_batch,
-            kv_type=params.kv_type, flash_attn=params.flash_attn, embeddings=True))
+            kv_type=params.kv_type, flash_attn=params.flash_attn, embeddings=True,
+            n_threads=params.n_threads))
         self.bos = self.model.detokenize([self.model.bos])
 
     # --- incremental scoring ----------------------------------------------

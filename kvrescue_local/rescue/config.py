@@ -28,6 +28,7 @@ class RescueConfig:
     prompt: str = QWEN_MATH_COT
     n_gpu_layers: int = 0
     flash_attn: str = "off"  # llama.cpp's CPU flash attention is slow on multi-sequence batches
+    n_threads: int = 0  # llama.cpp threads; 0 = all cores (fewer when other work shares them)
     n_batch: int = 512
     kv_type: str = "f16"
     helper_ctx: int = 0  # helper (and full-KV base) context; 0 = exactly what the limits need

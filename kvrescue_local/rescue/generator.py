@@ -62,14 +62,15 @@ class Generator:
     """A model, its context and its candidates; budgeted when `kv` is given."""
 
     def __init__(self, side: str, model: Model, n: int, n_ctx: int, kv: KVBudget | None, sampling: SamplingParams,
-                 max_step_tokens: int, n_batch: int = 512, flash_attn: str = "off", kv_type: str = "f16") -> None:
+                 max_step_tokens: int, n_batch: int = 512, flash_attn: str = "off", kv_type: str = "f16",
+                 n_threads: int = 0) -> None:
         self.side = side
         self.model = model
         self.n = n
         self.sampling = sampling
         self.max_step_tokens = max_step_tokens
         self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=n + 1, n_batch=n_batch,
-                                                flash_attn=flash_attn, kv_type=kv_type))
+                                                flash_attn=flash_attn, kv_type=kv_type, n_threads=n_threads))
         self.budget = BudgetedSequences(self.ctx, kv) if kv else None
         if kv:
             kv.check_context(self.ctx, n + 1)

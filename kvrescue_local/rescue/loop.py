@@ -105,7 +105,7 @@ class Rescue:
                                     f"{config.max_step_tokens} tokens: it needs {full_ctx}; raise it or lower --max-tokens")
             full_ctx = config.helper_ctx
         common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
-                      flash_attn=config.flash_attn, kv_type=config.kv_type)
+                      flash_attn=config.flash_attn, kv_type=config.kv_type, n_threads=config.n_threads)
         self.sides: dict[str, Generator] = {}
         if config.uses_base:
             kv = config.kv if config.evicts else None
