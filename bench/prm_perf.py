@@ -15,21 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
-from kvrescue_local.gguf_export import TINY_BASE, write_tiny_model
-from kvrescue_local.prm import PRM, PRMParams, RewardHead, head_path
+from kvrescue_local.presets import tiny_preset
+from kvrescue_local.prm import PRM, PRMParams
 
 N_CANDIDATES = 16
-
-
-def tiny_prm(directory: Path) -> Path:
-    gguf = write_tiny_model(directory / "prm.gguf", TINY_BASE, seed=0)
-    rng = np.random.default_rng(0)
-    d = TINY_BASE.n_embd
-    RewardHead([rng.standard_normal((d, d)).astype(np.float32), rng.standard_normal((2, d)).astype(np.float32)],
-               [np.zeros(d, np.float32), np.zeros(2, np.float32)], "qwen-prm").save(head_path(gguf))
-    return gguf
 
 
 def main() -> None:
@@ -37,7 +26,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        prm = PRM(tiny_prm(Path(tmp)), PRMParams(n_ctx=8192, max_candidates=N_CANDIDATES, flash_attn="off"))
+        prm = PRM(tiny_preset(Path(tmp)).prm, PRMParams(n_ctx=8192, max_candidates=N_CANDIDATES, flash_attn="off"))
         prm.start("Let a=17, b=42 and c=5. Compute a+b-c. " * 4)
         prm.commit("a is 17.")
         print(f"PRM round of {N_CANDIDATES} candidates on {prm.model.describe()}")
