@@ -103,6 +103,7 @@ class BudgetedSequences:
     n_prompt: int = 0
     policy: Policy = field(init=False)
     evictions: int = 0
+    peak_cells: int = 0  # most cells a sequence held when checked (the caller may reset it)
     last_choice: tuple[EvictionInputs, np.ndarray] | None = None  # what the policy saw and kept, last time
     snapshots: dict[int, dict[int, float]] = field(default_factory=dict)  # seq -> {position: score}
 
@@ -129,6 +130,7 @@ class BudgetedSequences:
     def enforce(self, seq_id: int) -> bool:
         """Evict seq_id back to the budget if it reached budget + buffer; True if it evicted."""
         n = self.ctx.n_cells(seq_id)
+        self.peak_cells = max(self.peak_cells, n)
         if self.policy.needs_attention and n == self.config.limit - self.config.window:
             cells, positions = self.ctx.cells(seq_id)
             self.snapshots[seq_id] = dict(zip(positions.tolist(), cell_scores(self.ctx, seq_id)[cells].tolist()))

@@ -76,7 +76,6 @@ class Generator:
             kv.check_context(self.ctx, n + 1)
         self.chunk = min(n_batch, kv.buffer) if kv else n_batch
         self.tokens_generated = 0
-        self.peak_cells = 0  # most cells any candidate held in the last round (budgeted sides)
         self.row = -1
 
     # --- the committed sequence ------------------------------------------
@@ -129,7 +128,8 @@ class Generator:
         for cand, sampler in zip(candidates, samplers):
             self.fork(COMMITTED, cand.seq)
             self.accept(cand, sampler.sample(self.ctx, self.row), first_logits)
-        self.peak_cells = 0
+        if self.budget:
+            self.budget.peak_cells = 0
         while True:
             active = [c for c in candidates if c.alive]
             if not active:
@@ -139,7 +139,6 @@ class Generator:
                 logits = self.ctx.logits(row) if cand.monitor else None
                 self.accept(cand, samplers[cand.index].sample(self.ctx, row), logits)
                 if self.budget:
-                    self.peak_cells = max(self.peak_cells, self.ctx.n_cells(cand.seq))
                     self.budget.enforce(cand.seq)
 
     def accept(self, cand: Candidate, token: int, logits: np.ndarray | None) -> None:

@@ -159,7 +159,8 @@ class Rescue:
             traj.tokens["committed"] += len(winner.tokens)
             if "base" in self.sides:
                 base = self.sides["base"]
-                traj.base_cells.append({"committed": base.resident_cells(), "max_candidate": base.peak_cells})
+                peak = base.budget.peak_cells if base.budget else 0  # most cells any base sequence held
+                traj.base_cells.append({"committed": base.resident_cells(), "max_candidate": peak})
             if on_step:
                 on_step(step)
             if winner.finished == "eos":
