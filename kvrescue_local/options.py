@@ -10,13 +10,13 @@ import click
 from .detect import DetectorParams
 from .eviction import KVBudget
 from .hub import resolve_gguf, resolve_prm
-from .presets import CACHE, load_preset
+from .presets import CACHE, PRESET_PROMPTS, load_preset
 from .prm import PRM, PRMParams
 from .rescue import RescueConfig
 from .runtime import Model
 
 SEARCH_OPTIONS = [
-    click.option("--preset", default="tiny", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
+    click.option("--preset", default="toy", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
     click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--helper", help="helper model (full context): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it) or a hub checkpoint owner/repo"),
@@ -57,7 +57,8 @@ def template_config(mode: str, n: int, budget: int, policy: str, options: dict) 
         detector=DetectorParams(tau_entropy=o["tau_entropy"], tau_compression=o["tau_compression"]),
         max_tokens=o["max_tokens"], max_steps=o["max_steps"], max_step_tokens=o["max_step_tokens"],
         temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"], n_gpu_layers=o["n_gpu_layers"],
-        flash_attn=o["flash_attn"], n_threads=o["threads"])
+        flash_attn=o["flash_attn"], n_threads=o["threads"],
+        **({"prompt": PRESET_PROMPTS[o["preset"]]} if o["base"] is None and o["preset"] in PRESET_PROMPTS else {}))
 
 
 PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem

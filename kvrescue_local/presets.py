@@ -17,6 +17,7 @@ from .errors import KVRescueError
 from .gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
 from .hub import HUB_PRESETS, HubModels, resolve_gguf, resolve_prm
 from .prm import RewardHead, head_path
+from .toy.task import TOY_PROMPT
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local"
 
@@ -69,6 +70,8 @@ def toy_preset(directory: Path = TOY_DIR) -> Preset:
 
 
 PRESETS = {"tiny": tiny_preset, "toy": toy_preset}
+# The chat template a preset's models were trained on, where it is not the real presets' qwen25-math-cot
+PRESET_PROMPTS = {"toy": TOY_PROMPT}
 
 
 def hub_preset(models: HubModels, offline: bool | None = None) -> Preset:

@@ -9,6 +9,7 @@ wrong and hit one of these caps (the paper: wrong with >= 256 committed steps, f
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -20,7 +21,7 @@ from .task import TOY_PROMPT, Problem, grade, problems
 
 BUDGETS = (32, 48, 64)
 BUFFER = 16
-MAX_TOKENS = 256
+MAX_TOKENS = 320
 MAX_STEPS = 32
 MAX_STEP_TOKENS = 32
 EVAL_SEED = 0  # training draws its problems from other seeds
@@ -39,18 +40,23 @@ class Row:
         return f"{name} @{self.budget}" if self.budget else name
 
 
+# Windows scaled to steps of ~4-16 byte tokens (the defaults suit real models' steps of ~50-200)
+TOY_DETECTOR = DetectorParams(entropy_window=8, text_window=64, check_every=4)
+
+
 def detector_params(preset) -> DetectorParams:
-    """The preset's calibrated thresholds (detector.json beside its models), else the defaults."""
+    """The preset's calibrated thresholds (detector.json beside its models), else the toy defaults."""
     from ..detect.calibrate import load_params
 
     path = preset.base.parent / "detector.json"
-    return load_params(path) if path.exists() else DetectorParams()
+    return load_params(path) if path.exists() else TOY_DETECTOR
 
 
-def toy_config(row: Row, seed: int = 0, detector: DetectorParams = DetectorParams()) -> RescueConfig:
+def toy_config(row: Row, seed: int = 0, detector: DetectorParams = TOY_DETECTOR) -> RescueConfig:
     kv = KVBudget(budget=row.budget or BUDGETS[0], buffer=BUFFER, n_sink=4, window=8)
     return RescueConfig(mode=row.mode, n=row.n, kv=kv, detector=detector, max_tokens=MAX_TOKENS,
-                        max_steps=MAX_STEPS, max_step_tokens=MAX_STEP_TOKENS, seed=seed, prompt=TOY_PROMPT)
+                        max_steps=MAX_STEPS, max_step_tokens=MAX_STEP_TOKENS, seed=seed, prompt=TOY_PROMPT,
+                        temperature=1.0, top_p=1.0)
 
 
 def table_rows(ns: Iterable[int] = (1, 8), budgets: Iterable[int] = BUDGETS) -> list[Row]:
@@ -76,7 +82,7 @@ def summarize(row: Row, probs: list[Problem], records: list[dict], seconds: floa
             "per_minute": 60 * n / seconds}
 
 
-def run_table(preset, rows: list[Row], count: int, seed: int = 0, detector: DetectorParams = DetectorParams(),
+def run_table(preset, rows: list[Row], count: int, seed: int = 0, detector: DetectorParams = TOY_DETECTOR,
               progress: Callable[[int], None] = lambda k: None) -> list[dict]:
     """Solve the same `count` held-out problems under every row; one summary dict per row."""
     from ..prm import PRM, PRMParams
@@ -104,7 +110,7 @@ def calibrate_detector(preset, count: int = 40, budget: int = BUDGETS[0], n: int
     from ..prm import PRM, PRMParams
     from ..runtime import Model
 
-    disarmed = DetectorParams(tau_entropy=1e6, tau_compression=1e-6)
+    disarmed = dataclasses.replace(TOY_DETECTOR, tau_entropy=1e6, tau_compression=1e-6)
     engine = Rescue(toy_config(Row("kvrescue", n, budget), detector=disarmed), Model(preset.base),
                     Model(preset.helper), PRM(preset.prm, PRMParams(n_ctx=2048, max_candidates=2 * n, flash_attn="off")))
     stats = []
@@ -112,7 +118,7 @@ def calibrate_detector(preset, count: int = 40, budget: int = BUDGETS[0], n: int
         record = engine.solve(p.text).record()
         stats += [c["detector"] for s in record["steps"] for c in s["candidates"] if c["side"] == "base"]
         progress(1)
-    return calibrate(stats, DetectorParams())
+    return calibrate(stats, TOY_DETECTOR)
 
 
 COLUMNS = (("n", "N", 2, 0), ("accuracy", "acc %", 6, 1), ("degenerate", "degen %", 7, 1),

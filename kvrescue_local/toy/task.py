@@ -1,22 +1,26 @@
 """The toy task: a ledger of named values, then a sum of some of them, solved one step at a time.
 
     a=7 b=4 c=5 d=9 e=6 f=2 g=8 h=3
-    Compute a+d-c+g.
+    Compute 4 terms: a+d-c+g.
 
-is solved as "\\n\\n"-separated steps, a lookup then an addition per term, then the answer:
+is solved as "\\n\\n"-separated steps, a numbered lookup then an addition per term, then the answer:
 
-    a=7             total=7
-    d=9             total=7+9=16
-    c=5             total=16-5=11   ...   \\boxed{19}
+    1:a=7           total=7
+    2:+d=9          total=7+9=16
+    3:-c=5          total=16-5=11   ...   \\boxed{19}
 
-Every lookup needs the ledger, stated early in the problem; knowing which term comes next and
-when to stop needs the question. Both sit far behind a small KV window, so an evicted model has a
-true information gap, while the additions only need the last two steps. Difficulty knobs: ledger
-size, number of terms, value range (digits), whether subtractions occur.
+Every lookup needs the ledger, stated early in the problem; which term comes next (name and sign)
+and when to stop (the count) need the question. Both sit far behind a small KV window, so an
+evicted model has a true information gap, while the additions only need the last two steps. The
+stop is a match between the lookup number and the count: a model that no longer sees the count
+finds no match and keeps going, which is how the evicted base runs into loops (the paper's
+degeneration) instead of answering early. Difficulty knobs: ledger size, number of terms, value
+range (digits), whether subtractions occur.
 """
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass, field
 
@@ -38,7 +42,7 @@ class Knobs:
     n_vars: int = 8  # ledger size (at most 26)
     min_vars: int = 0  # if set, each ledger has between min_vars and n_vars entries (a training curriculum)
     min_terms: int = 3
-    max_terms: int = 5
+    max_terms: int = 7
     lo: int = 1  # value range, inclusive (10..99 makes the additions much harder to learn)
     hi: int = 9
     minus: bool = True  # allow subtractions (the running total never goes below zero)
@@ -64,11 +68,11 @@ class Problem:
         for i, (sign, name) in enumerate(self.terms):
             value = self.ledger[name]
             new = total + value if sign == "+" else total - value
-            steps.append(f"{name}={value}{STEP_END}")
+            steps.append(f"{i + 1}:{sign if i else ''}{name}={value}{STEP_END}")
             steps.append(f"total={value}{STEP_END}" if i == 0 else f"total={total}{sign}{value}={new}{STEP_END}")
             total = new
         steps.append(f"\\boxed{{{total}}}")
-        object.__setattr__(self, "text", f"{ledger}\nCompute {question}.")
+        object.__setattr__(self, "text", f"{ledger}\nCompute {len(self.terms)} terms: {question}.")
         object.__setattr__(self, "steps", tuple(steps))
         object.__setattr__(self, "answer", total)
 
@@ -142,6 +146,9 @@ def wrong_step(problem: Problem, k: int, rng: np.random.Generator) -> str:
     return f"\\boxed{{{perturb(problem.answer, rng)}}}"
 
 
+LOOKUP = re.compile(r"(\d+):([+-]?)([a-z])=(\d+)")
+
+
 def corrupted(problem: Problem, k: int, rng: np.random.Generator) -> str:
     names = list(problem.ledger)
     step = problem.steps[k]
@@ -154,18 +161,26 @@ def corrupted(problem: Problem, k: int, rng: np.random.Generator) -> str:
         return "".join(chars) + STEP_END
     if kind == 1 and k < len(problem.steps) - 1:  # premature or wrong answer
         return f"\\boxed{{{int(rng.integers(0, 400))}}}"
-    if step.startswith("\\boxed"):  # an extra lookup, or a wrong final number
+    if step.startswith("\\boxed"):  # one lookup too many, or a wrong final number
         if rng.random() < 0.5:
             name = names[int(rng.integers(len(names)))]
-            return f"{name}={problem.ledger[name]}{STEP_END}"
+            return f"{len(problem.terms) + 1}:{'+-'[int(rng.integers(2))]}{name}={problem.ledger[name]}{STEP_END}"
         return f"\\boxed{{{perturb(problem.answer, rng)}}}"
-    if not step.startswith("total="):  # lookup: right name with a wrong value, or the wrong name
-        name, value = step.rstrip().split("=")
-        if rng.random() < 0.5:
-            other = [n for n in names if n != name]
-            name = other[int(rng.integers(len(other)))]
-            return f"{name}={problem.ledger[name]}{STEP_END}"
-        return f"{name}={perturb(int(value), rng)}{STEP_END}"
+    lookup = LOOKUP.fullmatch(step.rstrip())
+    if lookup:  # the wrong value or name (what an evicted model gets wrong most), sign or number
+        number, sign, name, value = lookup.groups()
+        kind = rng.choice(4, p=[0.5, 0.3, 0.1, 0.1] if sign else [0.55, 0.35, 0.1, 0.0])
+        if kind == 0:  # mostly another value of the ledger: what a lookup that found the wrong entry gives
+            others = sorted(set(problem.ledger.values()) - {int(value)})
+            value = str(others[int(rng.integers(len(others)))] if others and rng.random() < 0.7 else perturb(int(value), rng))
+        elif kind == 1:
+            name = [n for n in names if n != name][int(rng.integers(len(names) - 1))]
+            value = str(problem.ledger[name])
+        elif kind == 2:
+            number = str(perturb(int(number), rng))
+        else:
+            sign = "-" if sign == "+" else "+"
+        return f"{number}:{sign}{name}={value}{STEP_END}"
     body = step[len("total="):-len(STEP_END)]  # addition: a wrong result or a wrong operand
     head, _, result = body.rpartition("=")
     if head and rng.random() < 0.5:
