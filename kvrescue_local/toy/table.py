@@ -1,6 +1,6 @@
 """The paper's Table 2 in miniature, on the toy preset: every mode, three KV budgets, N = 1 and 8.
 
-Budgets are scaled to the task (a prompt of ~75 byte tokens, a solution of ~60-110): the base keeps
+Budgets are scaled to the task (a prompt of ~80 byte tokens, a solution of ~50-150): the base keeps
 `budget` entries (4 sinks + the newest), evicting back to it each time `BUFFER` more arrive, so at
 32 it has lost the ledger before it writes its first step. The trajectory cap is MAX_TOKENS
 committed tokens (twice a long solution) or MAX_STEPS steps; a trajectory is *degenerate* when it is

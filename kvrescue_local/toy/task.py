@@ -12,9 +12,9 @@ is solved as "\\n\\n"-separated steps, a numbered lookup then an addition per te
 Every lookup needs the ledger, stated early in the problem; which term comes next (name and sign)
 and when to stop (the count) need the question. Both sit far behind a small KV window, so an
 evicted model has a true information gap, while the additions only need the last two steps. The
-stop is a match between the lookup number and the count: a model that no longer sees the count
-finds no match and keeps going, which is how the evicted base runs into loops (the paper's
-degeneration) instead of answering early. Difficulty knobs: ledger size, number of terms, value
+stop is a match between the lookup number and the count, so that a model that no longer sees the
+count has nothing telling it to stop (a base fine-tuned briefly on this format looped to the cap in
+21% of the problems at budget 32; the fully trained one mostly garbles a step and ends). Knobs: ledger size, number of terms, value
 range (digits), whether subtractions occur.
 """
 
