@@ -14,8 +14,8 @@ and when to stop (the count) need the question. Both sit far behind a small KV w
 evicted model has a true information gap, while the additions only need the last two steps. The
 stop is a match between the lookup number and the count, so that a model that no longer sees the
 count has nothing telling it to stop (a base fine-tuned briefly on this format looped to the cap in
-21% of the problems at budget 32; the fully trained one mostly garbles a step and ends). Knobs: ledger size, number of terms, value
-range (digits), whether subtractions occur.
+21% of the problems at budget 32; the fully trained one mostly garbles a step and ends).
+Difficulty knobs: ledger size, number of terms, value range (digits), whether subtractions occur.
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def corrupted(problem: Problem, k: int, rng: np.random.Generator) -> str:
         kind = rng.choice(4, p=[0.5, 0.3, 0.1, 0.1] if sign else [0.55, 0.35, 0.1, 0.0])
         if kind == 0:  # mostly another value of the ledger: what a lookup that found the wrong entry gives
             others = sorted(set(problem.ledger.values()) - {int(value)})
-            value = str(others[int(rng.integers(len(others)))] if others and rng.random() < 0.7 else perturb(int(value), rng))
+            wrong = others[int(rng.integers(len(others)))] if others and rng.random() < 0.7 else perturb(int(value), rng)
+            value = str(wrong)
         elif kind == 1:
             name = [n for n in names if n != name][int(rng.integers(len(names) - 1))]
             value = str(problem.ledger[name])
