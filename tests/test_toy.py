@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from kvrescue_local.cli import main
 from kvrescue_local.gguf_export import Qwen2Shape, write_qwen2_gguf
 from kvrescue_local.runtime import Context, ContextParams, Model
-from kvrescue_local.toy.task import END, N_VOCAB, Knobs, encode, grade, problems, prompt, wrong_step
+from kvrescue_local.toy.task import END, LOOKUP, N_VOCAB, Knobs, encode, grade, problems, prompt, wrong_step
 
 
 def solve_by_hand(text: str) -> int:
@@ -50,6 +50,26 @@ def test_wrong_steps_are_wrong():
     for p in problems(1, 20):
         for k, step in enumerate(p.steps):
             assert wrong_step(p, k, rng) != step
+
+
+def test_slipped_solutions_drop_carries_only():
+    rng = np.random.default_rng(0)
+    slipped_steps = 0
+    for p in problems(5, 40):
+        assert p.slipped_solution(rng, 0.0) == p.solution
+        lines = p.slipped_solution(rng, 1.0).split("\n\n")
+        assert lines[0::2][:-1] == [s.rstrip() for s in p.steps[0::2][:-1]]  # the lookups stay right
+        total = 0
+        for (sign, name), line in zip(p.terms, lines[1::2]):
+            value = p.ledger[name]
+            exact = total + value if sign == "+" else total - value
+            written = int(line.rpartition("=")[2])
+            carry = line.count("=") == 2 and total // 10 != exact // 10
+            assert written == (exact - 10 if sign == "+" else exact + 10) if carry else written == exact
+            slipped_steps += carry
+            total = written
+        assert lines[-1] == f"\\boxed{{{total}}}"
+    assert slipped_steps > 20
 
 
 def test_encode_matches_llama_cpp_tokenizer(base_model):
@@ -130,3 +150,40 @@ def test_solve_defaults_to_the_toy_preset_and_its_prompt(toy):
     assert result.exit_code == 0, result.output
     assert f"answer: {p.answer} " in result.output and "1:" in result.output
 
+
+
+def test_shipped_helper_looks_up_well_and_adds_carelessly(toy):
+    """The division of labour the toy world is built on: with the full context the helper's lookups
+    are right, but its additions drop carries (it was trained on careless solutions)."""
+    from kvrescue_local.rescue import Rescue
+    from kvrescue_local.toy.table import EVAL_SEED, Row, toy_config
+
+    engine = Rescue(toy_config(Row("helper", 1)), None, Model(toy.helper), None)
+    lookups, sums = [], []
+    for p in problems(EVAL_SEED + 200, 12):
+        text = engine.solve(p.text).record()["text"]
+        lookups += [p.ledger.get(name) == int(value) for _, _, name, value in LOOKUP.findall(text)]
+        sums += [eval(left) == int(right) for left, right in re.findall(r"total=(\d+[+-]\d+)=(\d+)", text)]
+    assert len(lookups) >= 36 and sum(lookups) >= 0.95 * len(lookups)
+    assert len(sums) >= 24 and 0 < sum(sums) < len(sums)
+
+
+def test_shipped_prm_checks_lookups_against_the_ledger(toy):
+    """Scored through llama.cpp, the shipped PRM prefers the right value of a lookup to another value
+    of the same ledger, the error an evicted base makes (its earlier PRMs were at chance here)."""
+    from kvrescue_local.prm import PRM, PRMParams
+    from kvrescue_local.toy.table import EVAL_SEED
+
+    prm = PRM(toy.prm, PRMParams(n_ctx=1024, max_candidates=2, flash_attn="off"))
+    rng = np.random.default_rng(0)
+    wins = pairs = 0
+    for p in problems(EVAL_SEED + 300, 20):
+        k = 2 * int(rng.integers(1, len(p.terms)))
+        number, sign, name, value = LOOKUP.fullmatch(p.steps[k].rstrip()).groups()
+        others = sorted(set(p.ledger.values()) - {int(value)})
+        prm.start(p.text)
+        for step in p.steps[:k]:
+            prm.commit(step)
+        good, bad = prm.score([p.steps[k], f"{number}:{sign}{name}={others[int(rng.integers(len(others)))]}"])
+        wins, pairs = wins + (good > bad), pairs + 1
+    assert wins >= 0.8 * pairs

@@ -37,6 +37,14 @@ FORMATS = {
         step_end="<extra_0>",
         output="softmax1",
     ),
+    # The toy world's PRM (kvrescue_local.toy): qwen-prm in the text its backbone, the toy base, was
+    # trained on: no system turn, and steps still end in a blank line before the reward token.
+    "toy-prm": PRMFormat(
+        name="toy-prm",
+        prompt="<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n",
+        step_end="\n\n<extra_0>",
+        output="softmax1",
+    ),
     # Skywork-o1-Open-PRM: bos + problem + "\n", each step closed by "\n", sigmoid value head.
     "value-head": PRMFormat(name="value-head", prompt="{bos}{problem}\n", step_end="\n", output="sigmoid"),
 }

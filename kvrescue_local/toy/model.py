@@ -107,7 +107,7 @@ class Qwen2(nn.Module):
 
 
 class PRMModel(nn.Module):
-    """A backbone and the qwen-prm reward head: Linear(d, d) -> ReLU -> Linear(d, 2)."""
+    """A backbone and a qwen-prm style reward head: Linear(d, d) -> ReLU -> Linear(d, 2)."""
 
     def __init__(self, backbone: Qwen2) -> None:
         super().__init__()
@@ -118,9 +118,9 @@ class PRMModel(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone.hidden(ids))
 
-    def reward_head(self):
+    def reward_head(self, format_name: str):
         from ..prm import RewardHead
 
         layers = [self.head[0], self.head[2]]
         return RewardHead([l.weight.detach().numpy().copy() for l in layers],
-                          [l.bias.detach().numpy().copy() for l in layers], "qwen-prm")
+                          [l.bias.detach().numpy().copy() for l in layers], format_name)

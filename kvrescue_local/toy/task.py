@@ -80,6 +80,21 @@ class Problem:
     def solution(self) -> str:
         return "".join(self.steps)
 
+    def slipped_solution(self, rng: np.random.Generator, slip: float) -> str:
+        """The solution as a careless solver writes it: each addition that needs a carry (or a
+        subtraction that needs a borrow) drops it with probability `slip`, and later steps go on
+        from the wrong total. The lookups stay right."""
+        steps, total = [], 0
+        for i, (sign, name) in enumerate(self.terms):
+            value = self.ledger[name]
+            new = total + value if sign == "+" else total - value
+            if i and total // 10 != new // 10 and rng.random() < slip:
+                new += -10 if sign == "+" else 10
+            steps.append(f"{i + 1}:{sign if i else ''}{name}={value}{STEP_END}")
+            steps.append(f"total={value}{STEP_END}" if i == 0 else f"total={total}{sign}{value}={new}{STEP_END}")
+            total = new
+        return "".join(steps) + f"\\boxed{{{total}}}"
+
 
 def make_problem(rng: np.random.Generator, knobs: Knobs = Knobs()) -> Problem:
     size = int(rng.integers(knobs.min_vars, knobs.n_vars + 1)) if knobs.min_vars else knobs.n_vars
