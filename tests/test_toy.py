@@ -72,6 +72,25 @@ def test_slipped_solutions_drop_carries_only():
     assert slipped_steps > 20
 
 
+def test_prm_training_rows_mark_what_each_step_should_say():
+    pytest.importorskip("torch")
+    from kvrescue_local.toy.train import prm_batch
+
+    x, (labels, expected, following) = prm_batch(np.random.default_rng(0), 64, Knobs())
+    reward_token = encode("<extra_0>")[0]
+    extra = x == reward_token
+    assert ((labels >= 0) == extra).all() and ((expected >= 0) == extra).all() and (following[extra] < 0).all()
+    assert 0 < (labels == 0).sum() <= 64  # at most one wrong step per row, always the last
+    for row, label, want, follow in zip(x.tolist(), labels.tolist(), expected.tolist(), following.tolist()):
+        marks = [i for i, t in enumerate(row) if t == reward_token]
+        assert all(label[i] == 1 for i in marks[:-1])
+        for i in marks[:-1]:  # a correct step ends with the number expected at its reward token, and is learned
+            assert chr(row[i - 2]) == chr(want[i]) or chr(row[i - 3]) == chr(want[i])
+            assert follow[i - 3] == row[i - 2]
+        if label[marks[-1]] == 0 and len(marks) > 1:  # nothing inside the wrong step is learned as text
+            assert all(t < 0 for t in follow[marks[-2] + 1:marks[-1]])
+
+
 def test_encode_matches_llama_cpp_tokenizer(base_model):
     for p in problems(2, 5):
         text = prompt(p) + p.solution + END

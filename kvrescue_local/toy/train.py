@@ -112,8 +112,7 @@ def fit(model, batches, steps: int, lr: float, loss_fn, name: str, log_every: in
     """AdamW with warmup and cosine decay; returns seconds."""
     import torch
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: schedule(s, steps))
     started, running = time.perf_counter(), None
     for step in range(steps):
@@ -121,7 +120,7 @@ def fit(model, batches, steps: int, lr: float, loss_fn, name: str, log_every: in
         loss = loss_fn(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
