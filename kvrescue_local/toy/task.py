@@ -64,17 +64,10 @@ class Problem:
     def __post_init__(self) -> None:
         ledger = " ".join(f"{k}={v}" for k, v in self.ledger.items())
         question = "".join((s if i else "") + name for i, (s, name) in enumerate(self.terms))
-        steps, total = [], 0
-        for i, (sign, name) in enumerate(self.terms):
-            value = self.ledger[name]
-            new = total + value if sign == "+" else total - value
-            steps.append(f"{i + 1}:{sign if i else ''}{name}={value}{STEP_END}")
-            steps.append(f"total={value}{STEP_END}" if i == 0 else f"total={total}{sign}{value}={new}{STEP_END}")
-            total = new
-        steps.append(f"\\boxed{{{total}}}")
+        steps = worked_steps(self.ledger, self.terms)
         object.__setattr__(self, "text", f"{ledger}\nCompute {len(self.terms)} terms: {question}.")
-        object.__setattr__(self, "steps", tuple(steps))
-        object.__setattr__(self, "answer", total)
+        object.__setattr__(self, "steps", steps)
+        object.__setattr__(self, "answer", int(steps[-1][len("\\boxed{"):-1]))
 
     @property
     def solution(self) -> str:
@@ -84,17 +77,23 @@ class Problem:
         """The solution as a careless solver writes it: each addition that needs a carry (or a
         subtraction that needs a borrow) drops it with probability `slip`, and later steps go on
         from the wrong total. The lookups stay right."""
-        steps, total = [], 0
-        for i, (sign, name) in enumerate(self.terms):
-            value = self.ledger[name]
-            new = total + value if sign == "+" else total - value
-            if i and total // 10 != new // 10 and rng.random() < slip:
-                new += -10 if sign == "+" else 10
-            steps.append(f"{i + 1}:{sign if i else ''}{name}={value}{STEP_END}")
-            steps.append(f"total={value}{STEP_END}" if i == 0 else f"total={total}{sign}{value}={new}{STEP_END}")
-            total = new
-        return "".join(steps) + f"\\boxed{{{total}}}"
+        return "".join(worked_steps(self.ledger, self.terms, rng, slip))
 
+
+def worked_steps(ledger: dict[str, int], terms: tuple[tuple[str, str], ...], rng: np.random.Generator | None = None,
+                 slip: float = 0.0) -> tuple[str, ...]:
+    """Lookup, running total, ..., \\boxed{answer}; with `slip`, carries and borrows dropped that often."""
+    steps, total = [], 0
+    for i, (sign, name) in enumerate(terms):
+        value = ledger[name]
+        new = total + value if sign == "+" else total - value
+        if slip and i and total // 10 != new // 10 and rng.random() < slip:
+            new += -10 if sign == "+" else 10
+        steps.append(f"{i + 1}:{sign if i else ''}{name}={value}{STEP_END}")
+        steps.append(f"total={value}{STEP_END}" if i == 0 else f"total={total}{sign}{value}={new}{STEP_END}")
+        total = new
+    steps.append(f"\\boxed{{{total}}}")
+    return tuple(steps)
 
 def make_problem(rng: np.random.Generator, knobs: Knobs = Knobs()) -> Problem:
     size = int(rng.integers(knobs.min_vars, knobs.n_vars + 1)) if knobs.min_vars else knobs.n_vars

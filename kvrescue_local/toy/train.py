@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     prm_shape = replace(BASE, n_layer=BASE.n_layer + args.prm_extra_layers)
 
     def prm_backbone():
+        if not (CKPT / "base.pt").exists():
+            raise SystemExit(f"no trained base in {CKPT}: train it first (drop --only, or add --only base)")
         model = Qwen2(prm_shape, N_VOCAB)
         model.load_state_dict(torch.load(CKPT / "base.pt"), strict=False)
         for block in model.blocks[BASE.n_layer:]:
