@@ -14,6 +14,7 @@ import click
 import numpy as np
 
 from .errors import KVRescueError
+from .eviction import POLICIES
 from .options import open_models, search_options, template_config
 
 
@@ -161,7 +162,7 @@ def solve(problem, problem_file, mode, n, budget, policy, json_path, **options) 
         click.echo(f"trajectory written to {json_path}")
 
 
-from .bench.commands import bench  # noqa: E402  (commands live beside what they drive)
+from .bench.commands import bench, int_list  # noqa: E402  (commands live beside what they drive)
 
 main.add_command(bench)
 
@@ -186,21 +187,22 @@ def toy_sample(seed: int, count: int) -> None:
 @click.option("--problems", "count", type=int, default=300, show_default=True, help="held-out problems per setting")
 @click.option("--seed", "-s", type=int, default=0, show_default=True, help="problems and sampling seed")
 @click.option("-n", "ns", type=int, multiple=True, default=(1, 8), show_default=True, help="candidates per model")
-@click.option("--budgets", default="32,48,64", show_default=True, help="base KV budgets, comma-separated")
+@click.option("--budgets", default="48,64,96", show_default=True, help="base KV budgets, comma-separated")
+@click.option("--policy", type=click.Choice(sorted(POLICIES)), default="rkv", show_default=True, help="eviction policy")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the rows here")
-def toy_table(count: int, seed: int, ns: tuple[int, ...], budgets: str, json_path: Path | None) -> None:
+def toy_table(count: int, seed: int, ns: tuple[int, ...], budgets: str, policy: str, json_path: Path | None) -> None:
     """The paper's Table 2 in miniature on the toy preset: full KV, evicted best-of-N, helper, KV-Rescue."""
     from .presets import load_preset
     from .toy.table import detector_params, format_table, run_table, table_rows
 
     preset = load_preset("toy")
-    rows = table_rows(ns, [int(b) for b in budgets.split(",")])
+    rows = table_rows(ns, int_list(budgets))
     with click.progressbar(length=len(rows) * count, label=f"{len(rows)} settings x {count} problems",
                            file=sys.stderr) as bar:
-        results = run_table(preset, rows, count, seed, detector_params(preset), progress=bar.update)
+        results = run_table(preset, rows, count, seed, detector_params(preset), policy, progress=bar.update)
     click.echo(format_table(results))
     if json_path:
-        write_json_atomically(json_path, {"rows": results, "problems": count, "seed": seed})
+        write_json_atomically(json_path, {"rows": results, "problems": count, "seed": seed, "policy": policy})
 
 
 @toy.command("calibrate")

@@ -76,17 +76,22 @@ def test_prm_training_rows_mark_what_each_step_should_say():
     pytest.importorskip("torch")
     from kvrescue_local.toy.train import prm_batch
 
-    x, (labels, expected, following) = prm_batch(np.random.default_rng(0), 64, Knobs())
+    x, (labels, expected, names, following) = prm_batch(np.random.default_rng(0), 64, Knobs())
     reward_token = encode("<extra_0>")[0]
     extra = x == reward_token
     assert ((labels >= 0) == extra).all() and ((expected >= 0) == extra).all() and (following[extra] < 0).all()
+    assert ((names >= 0) <= extra).all() and (names >= 0).sum() > 64
     assert 0 < (labels == 0).sum() <= 64  # at most one wrong step per row, always the last
-    for row, label, want, follow in zip(x.tolist(), labels.tolist(), expected.tolist(), following.tolist()):
+    rows = zip(x.tolist(), labels.tolist(), expected.tolist(), names.tolist(), following.tolist())
+    for row, label, want, name, follow in rows:
         marks = [i for i, t in enumerate(row) if t == reward_token]
         assert all(label[i] == 1 for i in marks[:-1])
         for i in marks[:-1]:  # a correct step ends with the number expected at its reward token, and is learned
             assert chr(row[i - 2]) == chr(want[i]) or chr(row[i - 3]) == chr(want[i])
             assert follow[i - 3] == row[i - 2]
+            step = bytes(t for t in row[marks[marks.index(i) - 1] + 1 if i != marks[0] else 0:i] if t < 256).decode()
+            lookup = LOOKUP.search(step)  # after a lookup, the term it looks up is expected too
+            assert name[i] == (ord(lookup.group(3)) if lookup and step.rstrip().endswith(lookup.group(0)) else -100)
         if label[marks[-1]] == 0 and len(marks) > 1:  # nothing inside the wrong step is learned as text
             assert all(t < 0 for t in follow[marks[-2] + 1:marks[-1]])
 
@@ -153,14 +158,22 @@ def test_toy_table_command(toy):
     assert sample.exit_code == 0 and sample.output.count("Compute") == 2
 
 
-def test_eviction_takes_the_shipped_base_off_the_ledger(toy):
-    """The information gap is real: at budget 32 the base no longer sees the ledger and the count."""
+def test_eviction_takes_the_shipped_base_off_the_question(toy):
+    """The information gap is real, and the evicted base degenerates: at the smallest budget R-KV
+    leaves it a few ledger entries but not its place in the question, so it looks up wrong terms
+    and runs past the last one, some trajectories to the length cap (full KV stops in time)."""
     from kvrescue_local.rescue import Rescue
-    from kvrescue_local.toy.table import EVAL_SEED, Row, toy_config
+    from kvrescue_local.toy.table import BUDGETS, CAPS, EVAL_SEED, Row, toy_config
 
-    engine = Rescue(toy_config(Row("bon", 1, 32)), Model(toy.base), None, None)
-    probs = problems(EVAL_SEED + 100, 8)
-    assert sum(grade(p, engine.solve(p.text).record()["answer"]) for p in probs) <= 2
+    probs = problems(EVAL_SEED + 100, 16)
+    evicted = Rescue(toy_config(Row("bon", 1, BUDGETS[0])), Model(toy.base), None, None)
+    records = [evicted.solve(p.text).record() for p in probs]
+    assert sum(grade(p, r["answer"]) for p, r in zip(probs, records)) <= 3
+    terms = sum(len(p.terms) for p in probs)
+    assert sum(len(LOOKUP.findall(r["text"])) for r in records) >= 1.3 * terms
+    assert any(r["stop"] in CAPS for r in records)
+    full = Rescue(toy_config(Row("full", 1)), Model(toy.base), None, None)
+    assert sum(len(LOOKUP.findall(full.solve(p.text).record()["text"])) for p in probs) == terms
 
 
 def test_solve_defaults_to_the_toy_preset_and_its_prompt(toy):

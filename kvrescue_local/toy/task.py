@@ -13,8 +13,9 @@ Every lookup needs the ledger, stated early in the problem; which term comes nex
 and when to stop (the count) need the question. Both sit far behind a small KV window, so an
 evicted model has a true information gap, while the additions only need the last two steps. The
 stop is a match between the lookup number and the count, so that a model that no longer sees the
-count has nothing telling it to stop (a base fine-tuned briefly on this format looped to the cap in
-21% of the problems at budget 32; the fully trained one mostly garbles a step and ends).
+count has nothing telling it to stop: under R-KV, which keeps ledger entries but not the count, the
+trained base runs past the last term, some trajectories to the length cap (with sinks + recent
+window it loses the ledger as well, garbles a step and ends).
 Difficulty knobs: ledger size, number of terms, value range (digits), whether subtractions occur.
 """
 
@@ -181,15 +182,18 @@ def corrupted(problem: Problem, k: int, rng: np.random.Generator) -> str:
             return f"{len(problem.terms) + 1}:{'+-'[int(rng.integers(2))]}{name}={problem.ledger[name]}{STEP_END}"
         return f"\\boxed{{{perturb(problem.answer, rng)}}}"
     lookup = LOOKUP.fullmatch(step.rstrip())
-    if lookup:  # the wrong value or name (what an evicted model gets wrong most), sign or number
+    if lookup:  # the wrong value or term (what an evicted model gets wrong most), sign or number
         number, sign, name, value = lookup.groups()
-        kind = rng.choice(4, p=[0.5, 0.3, 0.1, 0.1] if sign else [0.55, 0.35, 0.1, 0.0])
+        kind = rng.choice(4, p=[0.4, 0.45, 0.1, 0.05] if sign else [0.45, 0.45, 0.1, 0.0])
         if kind == 0:  # mostly another value of the ledger: what a lookup that found the wrong entry gives
             others = sorted(set(problem.ledger.values()) - {int(value)})
             wrong = others[int(rng.integers(len(others)))] if others and rng.random() < 0.7 else perturb(int(value), rng)
             value = str(wrong)
-        elif kind == 1:
-            name = [n for n in names if n != name][int(rng.integers(len(names) - 1))]
+        elif kind == 1:  # the wrong term, rightly looked up: mostly another term of the question, as an
+            # evicted model that kept the ledger but lost its place in the question writes
+            terms = [n for _, n in problem.terms if n != name]
+            pool = terms if rng.random() < 0.6 else [n for n in names if n != name]
+            name = pool[int(rng.integers(len(pool)))]
             value = str(problem.ledger[name])
         elif kind == 2:
             number = str(perturb(int(number), rng))

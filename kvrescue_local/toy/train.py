@@ -6,11 +6,12 @@ writes base.gguf, helper.gguf, prm.gguf + prm.head.npz and train.json (shapes, s
 greedy accuracies). The base is larger. The helper is smaller, keeps the full context and looks
 values up as well as the base, but learns from careless solutions that drop half the carries:
 weak at the computation, which the evicted base still does right from its recent window. Both learn
-through a curriculum of growing ledgers. The PRM is the base plus one block; it learns to tell correct
-steps from wrong ones (wrong lookups, wrong sums, wrong or premature answers, garbled steps), half
-the time on a lookup, with language-model losses that keep it looking the values up.
-The helper trains in a second process beside the base, then the PRM: measured on 2 cores, base 34
-min and helper 16 min side by side, PRM 22 min (train.json).
+through a curriculum of growing ledgers. The PRM is the base plus two blocks; it learns to tell correct
+steps from wrong ones (wrong values, wrong terms, wrong sums, wrong or premature answers, garbled
+steps), half the time on a lookup, with language-model losses that keep it looking terms and values up.
+The helper trains in a second process beside the base, then the PRM alone on two threads: measured on
+2 cores, base 34 min and helper 16 min side by side, PRM 18 min (0.30 s/step; train.json has the
+time of the shipped PRM, trained on one thread).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from ..gguf_export import Qwen2Shape, write_qwen2_gguf
 from ..prm import head_path
 from ..prm.formats import prm_format
-from .task import CONTROL, END, N_VOCAB, PAD, Knobs, encode, problems, prompt, wrong_step
+from .task import CONTROL, END, LOOKUP, N_VOCAB, PAD, Knobs, encode, problems, prompt, wrong_step
 
 BASE = Qwen2Shape(n_embd=96, n_layer=3, n_head=4, n_head_kv=2, n_ff=288, n_ctx_train=1024)
 HELPER = Qwen2Shape(n_embd=64, n_layer=3, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=1024)
@@ -39,8 +40,9 @@ HELPER = Qwen2Shape(n_embd=64, n_layer=3, n_head=4, n_head_kv=2, n_ff=128, n_ctx
 # 66k-parameter helper added perfectly and missed lookups instead, the very steps the evicted base misses.)
 HELPER_SLIP = 0.5
 # The PRM is the base plus new blocks, added as identities (zero output projections): the base's lookup
-# circuit carries over, and the new blocks have room to compare the value it expects with the step's.
-PRM_EXTRA_LAYERS = 1
+# circuit carries over, and the new blocks have room to compare the term and value it expects with the
+# step's (with one block it judged wrong terms well but wrong values at 70%; with two, both ~100%).
+PRM_EXTRA_LAYERS = 2
 PRM_FORMAT = "toy-prm"  # the base's own chat format: its lookup circuit works there as trained
 # Lookups (an induction circuit) form in a few hundred steps on 3-entry ledgers, then carry over to 8
 # (they did not form within ~1500 steps on 8 alone). So training grows the ledger: (knobs, share of steps).
@@ -63,11 +65,11 @@ def lm_batch(rng: np.random.Generator, size: int, knobs: Knobs, slip: float = 0.
 
 def prm_batch(rng: np.random.Generator, size: int, knobs: Knobs, wrong_share: float = 0.6):
     """PRM texts: a correct prefix, then (often) one wrong step. Per reward token (-100 elsewhere): the
-    label, and the first character of the number the right step ends with (what the step should say);
-    and next-token targets inside the correct steps."""
+    label, the first character of the number the right step ends with and, after a lookup, the name of
+    the right term (what the step should say); and next-token targets inside the correct steps."""
     fmt = prm_format(PRM_FORMAT)
     extra = CONTROL["<extra_0>"]
-    rows, labels, expected, following = [], [], [], []
+    rows, labels, expected, names, following = [], [], [], [], []
     for p in problems(int(rng.integers(2**31)), size, knobs):
         # lookups are the hardest steps to verify (the value must be found in the ledger): half the rows end on one
         k = int(rng.integers(len(p.steps)) if rng.random() < 0.5 else 2 * rng.integers(len(p.terms)))
@@ -84,15 +86,23 @@ def prm_batch(rng: np.random.Generator, size: int, knobs: Knobs, wrong_share: fl
         # the reward tokens' own target is the expected number (below), not the next step's first character
         following.append([-100 if t == extra else n for t, n in zip(ids, targets[1:] + [-100])])
         marks, results = iter(good), iter(ord(result_text(step)[0]) for step in p.steps[:k + 1])
+        terms = iter(ord(term_name(step)) if term_name(step) else -100 for step in p.steps[:k + 1])
         rows.append(ids)
         labels.append([next(marks) if t == extra else -100 for t in ids])
         expected.append([next(results) if t == extra else -100 for t in ids])
-    return pad(rows, PAD), (pad(labels, -100), pad(expected, -100), pad(following, -100))
+        names.append([next(terms) if t == extra else -100 for t in ids])
+    return pad(rows, PAD), (pad(labels, -100), pad(expected, -100), pad(names, -100), pad(following, -100))
 
 
 def result_text(step: str) -> str:
     """The number a step ends with: the looked-up value, the sum, or the answer."""
     return step.rstrip().rstrip("}").rpartition("=" if "=" in step else "{")[2]
+
+
+def term_name(step: str) -> str | None:
+    """The term a lookup step looks up (None for other steps)."""
+    lookup = LOOKUP.fullmatch(step.rstrip())
+    return lookup.group(3) if lookup else None
 
 
 def pad(rows: list[list[int]], value: int):
@@ -137,18 +147,20 @@ def lm_loss(model, x, y):
 
 
 def prm_loss(model, x, targets):
-    """Cross-entropy of the labels at the reward tokens, the two classes weighted equally, plus two
-    language-model losses: the expected number's first character at the reward tokens, and the base's
-    own objective inside correct steps (it keeps predicting the right value after "name="). Without
-    them the PRM never learned to look values up: it judged wrong ledger values at chance."""
+    """Cross-entropy of the labels at the reward tokens, the two classes weighted equally, plus
+    language-model losses: at the reward tokens, the expected number's first character and (after a
+    lookup) the expected term; inside correct steps, the base's own objective (it keeps predicting the
+    right value after "name="). Without the first and last the PRM judged wrong ledger values at
+    chance; without the term it judged a wrong term with its own value at 60%."""
     import torch.nn.functional as F
 
-    y, expected, following = (t.flatten() for t in targets)
+    y, expected, names, following = (t.flatten() for t in targets)
     hidden = model.backbone.hidden(x).flatten(0, 1)
     keep = y >= 0
     losses = F.cross_entropy(model.head(hidden[keep]), y[keep], reduction="none")
     lm_logits = hidden @ model.backbone.embed.weight.T
-    aux = F.cross_entropy(lm_logits[keep], expected[keep]) + F.cross_entropy(lm_logits, following, ignore_index=-100)
+    aux = (F.cross_entropy(lm_logits[keep], expected[keep]) + F.cross_entropy(lm_logits, following, ignore_index=-100)
+           + F.cross_entropy(lm_logits[keep], names[keep], ignore_index=-100))
     return aux + sum(losses[y[keep] == c].mean() for c in (0, 1) if (y[keep] == c).any())
 
 
@@ -207,12 +219,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="train only these (others are taken from the checkpoint cache)")
     parser.add_argument("--base-steps", type=int, default=7000)
     parser.add_argument("--helper-steps", type=int, default=6000)
-    parser.add_argument("--prm-steps", type=int, default=3000)
+    parser.add_argument("--prm-steps", type=int, default=3500)
     parser.add_argument("--prm-lr", type=float, default=1e-3)
     parser.add_argument("--prm-extra-layers", type=int, default=PRM_EXTRA_LAYERS)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (2 OpenMP threads on 2 busy cores ran 7x slower than 1)")
+                        help="torch threads for the base and the helper, which train side by side "
+                             "(2 OpenMP threads on 2 busy cores ran 7x slower than 1)")
+    parser.add_argument("--prm-threads", type=int, default=min(2, os.cpu_count() or 1),
+                        help="torch threads for the PRM, which trains alone (2: 0.30 s/step, 1: 0.53)")
     parser.add_argument("--dtype", choices=["f16", "f32"], default="f16")
     args = parser.parse_args(argv)
 
@@ -265,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
         model, seconds = train_lm(HELPER, args.helper_steps, 3e-3, args.batch, 2, "helper", HELPER_SLIP)
         export("helper", model, HELPER, args.helper_steps, seconds, greedy_accuracy=greedy_accuracy(model))
     if "prm" in todo:
+        torch.set_num_threads(args.prm_threads)
         torch.manual_seed(3)
         prm = PRMModel(prm_backbone())
         rng = np.random.default_rng(TRAIN_SEED + 3)
