@@ -86,7 +86,7 @@ def prm_batch(rng: np.random.Generator, size: int, knobs: Knobs, wrong_share: fl
         # the reward tokens' own target is the expected number (below), not the next step's first character
         following.append([-100 if t == extra else n for t, n in zip(ids, targets[1:] + [-100])])
         marks, results = iter(good), iter(ord(result_text(step)[0]) for step in p.steps[:k + 1])
-        terms = iter(ord(term_name(step)) if term_name(step) else -100 for step in p.steps[:k + 1])
+        terms = iter(ord(name) if (name := term_name(step)) else -100 for step in p.steps[:k + 1])
         rows.append(ids)
         labels.append([next(marks) if t == extra else -100 for t in ids])
         expected.append([next(results) if t == extra else -100 for t in ids])
