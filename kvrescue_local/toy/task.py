@@ -96,6 +96,7 @@ def worked_steps(ledger: dict[str, int], terms: tuple[tuple[str, str], ...], rng
     steps.append(f"\\boxed{{{total}}}")
     return tuple(steps)
 
+
 def make_problem(rng: np.random.Generator, knobs: Knobs = Knobs()) -> Problem:
     size = int(rng.integers(knobs.min_vars, knobs.n_vars + 1)) if knobs.min_vars else knobs.n_vars
     names = list(string.ascii_lowercase[:size])
