@@ -74,21 +74,21 @@ class Problem:
     def solution(self) -> str:
         return "".join(self.steps)
 
-    def slipped_solution(self, rng: np.random.Generator, slip: float) -> str:
-        """The solution as a careless solver writes it: each addition that needs a carry (or a
-        subtraction that needs a borrow) drops it with probability `slip`, and later steps go on
-        from the wrong total. The lookups stay right."""
-        return "".join(worked_steps(self.ledger, self.terms, rng, slip))
+    def careless_solution(self, blind_spot: frozenset[int]) -> str:
+        """The solution as a solver with a blind spot writes it: adding (subtracting) a value in
+        `blind_spot` drops the carry (borrow) every time one is needed, and later steps go on from the
+        wrong total. The lookups stay right."""
+        return "".join(worked_steps(self.ledger, self.terms, blind_spot))
 
 
-def worked_steps(ledger: dict[str, int], terms: tuple[tuple[str, str], ...], rng: np.random.Generator | None = None,
-                 slip: float = 0.0) -> tuple[str, ...]:
-    """Lookup, running total, ..., \\boxed{answer}; with `slip`, carries and borrows dropped that often."""
+def worked_steps(ledger: dict[str, int], terms: tuple[tuple[str, str], ...],
+                 blind_spot: frozenset[int] = frozenset()) -> tuple[str, ...]:
+    """Lookup, running total, ..., \\boxed{answer}; carries and borrows of values in `blind_spot` dropped."""
     steps, total = [], 0
     for i, (sign, name) in enumerate(terms):
         value = ledger[name]
         new = total + value if sign == "+" else total - value
-        if slip and i and total // 10 != new // 10 and rng.random() < slip:
+        if i and total // 10 != new // 10 and value in blind_spot:
             new += -10 if sign == "+" else 10
         steps.append(f"{i + 1}:{sign if i else ''}{name}={value}{STEP_END}")
         steps.append(f"total={value}{STEP_END}" if i == 0 else f"total={total}{sign}{value}={new}{STEP_END}")
@@ -166,7 +166,6 @@ LOOKUP = re.compile(r"(\d+):([+-]?)([a-z])=(\d+)")
 
 
 def corrupted(problem: Problem, k: int, rng: np.random.Generator) -> str:
-    names = list(problem.ledger)
     step = problem.steps[k]
     kind = rng.integers(6)
     if kind == 0:  # garbled: shuffled characters of the right step, or a repeat of an earlier step
@@ -177,37 +176,49 @@ def corrupted(problem: Problem, k: int, rng: np.random.Generator) -> str:
         return "".join(chars) + STEP_END
     if kind == 1 and k < len(problem.steps) - 1:  # premature or wrong answer
         return f"\\boxed{{{int(rng.integers(0, 400))}}}"
-    if step.startswith("\\boxed"):  # one lookup too many, or a wrong final number
-        if rng.random() < 0.5:
-            name = names[int(rng.integers(len(names)))]
+    if step.startswith("\\boxed"):  # one lookup too many (an evicted base's most frequent error), or a wrong number
+        if rng.random() < 0.7:
+            name = question_or_ledger_name(problem, None, rng)
             return f"{len(problem.terms) + 1}:{'+-'[int(rng.integers(2))]}{name}={problem.ledger[name]}{STEP_END}"
         return f"\\boxed{{{perturb(problem.answer, rng)}}}"
     lookup = LOOKUP.fullmatch(step.rstrip())
     if lookup:  # the wrong value or term (what an evicted model gets wrong most), sign or number
         number, sign, name, value = lookup.groups()
-        kind = rng.choice(4, p=[0.4, 0.45, 0.1, 0.05] if sign else [0.45, 0.45, 0.1, 0.0])
+        kind = rng.choice(4, p=[0.3, 0.35, 0.2, 0.15] if sign else [0.35, 0.45, 0.2, 0.0])
         if kind == 0:  # mostly another value of the ledger: what a lookup that found the wrong entry gives
             others = sorted(set(problem.ledger.values()) - {int(value)})
             wrong = others[int(rng.integers(len(others)))] if others and rng.random() < 0.7 else perturb(int(value), rng)
             value = str(wrong)
-        elif kind == 1:  # the wrong term, rightly looked up: mostly another term of the question, as an
-            # evicted model that kept the ledger but lost its place in the question writes
-            terms = [n for _, n in problem.terms if n != name]
-            pool = terms if rng.random() < 0.6 else [n for n in names if n != name]
-            name = pool[int(rng.integers(len(pool)))]
+        elif kind == 1:  # the wrong term, rightly looked up
+            name = question_or_ledger_name(problem, name, rng)
             value = str(problem.ledger[name])
-        elif kind == 2:
-            number = str(perturb(int(number), rng))
+        elif kind == 2:  # mostly one off: an evicted base loses count of the lookups
+            number = str(int(number) + 1 if int(number) == 1 or rng.random() < 0.5 else int(number) - 1)
         else:
             sign = "-" if sign == "+" else "+"
         return f"{number}:{sign}{name}={value}{STEP_END}"
-    body = step[len("total="):-len(STEP_END)]  # addition: a wrong result or a wrong operand
+    body = step[len("total="):-len(STEP_END)]  # addition: a wrong result, a wrong term, or a misread total
     head, _, result = body.rpartition("=")
-    if head and rng.random() < 0.5:
-        ops = head.replace("-", "+").split("+")
-        sign = "-" if "-" in head else "+"
-        return f"total={ops[0]}{sign}{perturb(int(ops[1]), rng)}={result}{STEP_END}"
-    return f"total={head + '=' if head else ''}{perturb(int(result), rng)}{STEP_END}"
+    kind = rng.integers(3) if head else 0
+    if kind == 0:
+        return f"total={head + '=' if head else ''}{perturb(int(result), rng)}{STEP_END}"
+    sign = "-" if "-" in head else "+"
+    total, value = map(int, head.split(sign))
+    if kind == 1:
+        return f"total={total}{sign}{perturb(value, rng)}={result}{STEP_END}"
+    # an evicted base that lost the previous total carries on, rightly, from a wrong one
+    misread = perturb(total, rng)
+    if sign == "-" and misread < value:  # the other way, so that the total stays non-negative
+        misread = 2 * total - misread
+    return f"total={misread}{sign}{value}={misread + value if sign == '+' else misread - value}{STEP_END}"
+
+
+def question_or_ledger_name(problem: Problem, name: str | None, rng: np.random.Generator) -> str:
+    """Another term than `name`: mostly one of the question, as an evicted model that kept the ledger
+    but lost its place in the question picks; else any other name of the ledger."""
+    terms = [n for _, n in problem.terms if n != name]
+    pool = terms if terms and rng.random() < 0.6 else [n for n in problem.ledger if n != name]
+    return pool[int(rng.integers(len(pool)))]
 
 
 def perturb(x: int, rng: np.random.Generator) -> int:
