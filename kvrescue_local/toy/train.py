@@ -5,13 +5,14 @@
 writes base.gguf, helper.gguf, prm.gguf + prm.head.npz and train.json (shapes, steps, times,
 greedy accuracies). The base is larger. The helper is smaller, keeps the full context and looks
 values up as well as the base, but learns from careless solutions that never carry (or borrow) an
-8 or a 9: weak at the computation, which the evicted base still does right from its recent window. Both learn
-through a curriculum of growing ledgers. The PRM is the base plus two blocks; it learns to tell correct
-steps from wrong ones (wrong values, wrong terms, wrong sums, wrong or premature answers, garbled
-steps), half the time on a lookup, with language-model losses that keep it looking terms and values up.
-The helper trains in a second process beside the base, then the PRM alone on two threads: measured on
-2 cores, base 33 min and helper 16 min side by side, PRM 20 min (0.34 s/step): 53 min end to end,
-writing files byte-identical to the shipped ones.
+8 or a 9: weak at the computation, which the evicted base still does right from its recent window.
+Both learn through a curriculum of growing ledgers. The PRM is the base plus two blocks; it learns to
+tell correct steps from wrong ones (wrong values, terms, numbers, signs and sums, sums from a
+misread total, wrong or premature answers, one lookup too many, garbled steps), on a lookup in 45%
+of its rows and on the answer in 15%, with language-model losses that keep it looking terms and
+values up. The helper trains in a second process beside the base, then the PRM alone on two
+threads: measured on 2 cores, base 33 min and helper 16 min side by side, PRM 20 min (0.34 s/step),
+53 min end to end, writing files byte-identical to the shipped ones.
 """
 
 from __future__ import annotations
@@ -76,7 +77,12 @@ def prm_batch(rng: np.random.Generator, size: int, knobs: Knobs, wrong_share: fl
         # lookups are the hardest steps to verify (the value must be found in the ledger): 45% of the rows
         # end on one; 15% on the answer, where an evicted base looks one term too many up
         r = rng.random()
-        k = int(2 * rng.integers(len(p.terms)) if r < 0.45 else len(p.steps) - 1 if r < 0.6 else rng.integers(len(p.steps)))
+        if r < 0.45:
+            k = 2 * int(rng.integers(len(p.terms)))
+        elif r < 0.6:
+            k = len(p.steps) - 1
+        else:
+            k = int(rng.integers(len(p.steps)))
         steps = list(p.steps[:k + 1])
         good = [1] * len(steps)
         if rng.random() < wrong_share:
