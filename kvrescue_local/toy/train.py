@@ -44,7 +44,7 @@ HELPER = Qwen2Shape(n_embd=64, n_layer=3, n_head=4, n_head_kv=2, n_ff=128, n_ctx
 HELPER_BLIND_SPOT = frozenset({8, 9})
 # The PRM is the base plus new blocks, added as identities (zero output projections): the base's lookup
 # circuit carries over, and the new blocks have room to compare the term and value it expects with the
-# step's (with one block it judged wrong terms well but wrong values at 70%; with two, both ~100%).
+# step's (with one block it judged wrong values at 70% of pairs; with two, 88-100%, wrong terms 99%).
 PRM_EXTRA_LAYERS = 2
 PRM_FORMAT = "toy-prm"  # the base's own chat format: its lookup circuit works there as trained
 # Lookups (an induction circuit) form in a few hundred steps on 3-entry ledgers, then carry over to 8
