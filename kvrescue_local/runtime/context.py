@@ -23,6 +23,16 @@ KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 N_CTX_PAD = 256
 
 
+def default_threads() -> int:
+    """llama.cpp threads when none are asked for: KVRESCUE_THREADS if set, else every core."""
+    value = os.environ.get("KVRESCUE_THREADS", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise KVRescueError(f"KVRESCUE_THREADS={value!r} is not a positive thread count: set it to 1 or more, or unset it")
+        return int(value)
+    return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class ContextParams:
     n_ctx: int = 4096
@@ -32,7 +42,7 @@ class ContextParams:
     flash_attn: str = "auto"
     kv_type: str = "f16"  # "f32" for bit-parity tests
     embeddings: bool = False  # hidden states after the final norm (PRM backbones)
-    n_threads: int = 0  # 0 = all cores
+    n_threads: int = 0  # 0 = default_threads()
 
 
 class Batch:
@@ -90,7 +100,7 @@ class Context:
         cp.embeddings = params.embeddings
         if params.embeddings:
             cp.pooling_type = low.LLAMA_POOLING_TYPE_NONE
-        threads = params.n_threads or os.cpu_count() or 1
+        threads = params.n_threads or default_threads()
         cp.n_threads = cp.n_threads_batch = threads
         self.handle = low.llama_init_from_model(model.handle, cp)
         if not self.handle:
