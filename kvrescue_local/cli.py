@@ -14,7 +14,7 @@ import click
 import numpy as np
 
 from .errors import KVRescueError
-from .eviction import POLICIES
+from .eviction import POLICY_HELP, KVBudget
 from .options import open_models, search_options, template_config
 
 
@@ -121,7 +121,7 @@ def one_line(text: str, width: int = 100) -> str:
 @click.option("--mode", type=click.Choice(["full", "bon", "helper", "kvrescue"]), default="kvrescue", show_default=True)
 @click.option("-n", "--n", "n", type=int, default=8, show_default=True, help="candidates per model per round")
 @click.option("--budget", type=int, default=64, show_default=True, help="base KV budget (entries kept)")
-@click.option("--policy", default="rkv", show_default=True, help="eviction policy: rkv, snapkv, h2o or streaming")
+@click.option("--policy", default=KVBudget.policy, show_default=True, help=POLICY_HELP)
 @search_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, mode, n, budget, policy, json_path, **options) -> None:
@@ -188,7 +188,7 @@ def toy_sample(seed: int, count: int) -> None:
 @click.option("--seed", "-s", type=int, default=0, show_default=True, help="problems and sampling seed")
 @click.option("-n", "ns", type=int, multiple=True, default=(1, 8), show_default=True, help="candidates per model")
 @click.option("--budgets", default="48,64,96", show_default=True, help="base KV budgets, comma-separated")
-@click.option("--policy", type=click.Choice(sorted(POLICIES)), default="rkv", show_default=True, help="eviction policy")
+@click.option("--policy", default=KVBudget.policy, show_default=True, help=POLICY_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the rows here")
 def toy_table(count: int, seed: int, ns: tuple[int, ...], budgets: str, policy: str, json_path: Path | None) -> None:
     """The paper's Table 2 in miniature on the toy preset: full KV, evicted best-of-N, helper, KV-Rescue."""

@@ -5,36 +5,47 @@ import pytest
 
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.eviction import POLICIES, BudgetedSequences, EvictionInputs, KVBudget, evicted_runs, make_policy
+from kvrescue_local.eviction import reference
+from kvrescue_local.eviction.rkv import redundancy
 from kvrescue_local.runtime import Context, ContextParams
+from kvrescue_local.runtime.attention import cell_scores, enable_scores, reset_scores
 
 PROMPT = "<|im_start|>user\nLedger: a=17 b=42 c=5 d=93. Compute a+d-c.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def synthetic_inputs(n=200, seed=0):
+def synthetic_inputs(budget: KVBudget, n=200, seed=0, n_layer=2, n_head_kv=2):
     rng = np.random.default_rng(seed)
     positions = np.sort(rng.choice(1000, n, replace=False)).astype(np.int32)
-    return EvictionInputs(positions=positions, window_attention=rng.random(n), cumulative_attention=rng.random(n) * 5,
-                          keys=rng.standard_normal((n, 32)))
+    forced = budget.forced(positions, 0)
+    return EvictionInputs(positions=positions, forced=forced, n_choose=budget.budget - int(forced.sum()),
+                          window_attention=rng.random((n_layer, n)), cumulative_attention=rng.random(n) * 5,
+                          keys=rng.standard_normal((n_layer, n_head_kv, n, 16)))
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_keeps_exactly_the_budget_with_sinks_and_window(name):
-    inputs = synthetic_inputs()
     budget = KVBudget(budget=64, buffer=128, n_sink=4, window=8, policy=name)
+    inputs = synthetic_inputs(budget)
     scores = make_policy(name).score(inputs)
     assert scores.shape == inputs.positions.shape and np.all(np.isfinite(scores))
     kept = budget.keep(inputs.positions, scores, n_prompt=0)
     assert kept.sum() == 64
     assert kept[:4].all() and kept[-8:].all()
-    free = np.flatnonzero(~np.r_[np.ones(4, bool), np.zeros(len(kept) - 12, bool), np.ones(8, bool)])
+    free = np.flatnonzero(~inputs.forced)
     chosen = free[kept[free]]
     rejected = free[~kept[free]]
     assert scores[chosen].min() >= scores[rejected].max(), "the policy's best scores are the ones kept"
 
 
+def test_sinks_default_to_what_each_policy_s_reference_keeps():
+    assert {name: KVBudget(policy=name).sinks for name in POLICIES} == {"h2o": 0, "rkv": 0, "snapkv": 0, "streaming": 4}
+    assert KVBudget(policy="streaming", n_sink=2).sinks == 2
+    assert KVBudget().policy == "rkv"
+
+
 def test_streaming_keeps_sinks_and_the_most_recent():
     positions = np.arange(300, dtype=np.int32)
-    budget = KVBudget(budget=64, n_sink=4, window=8)
+    budget = KVBudget(budget=64, window=8, policy="streaming")
     kept = budget.keep(positions, make_policy("streaming").score(EvictionInputs(positions)), 0)
     np.testing.assert_array_equal(positions[kept], np.r_[0:4, 240:300])
 
@@ -52,6 +63,21 @@ def test_evicted_runs_cover_exactly_the_dropped_positions():
     positions = np.array([0, 1, 2, 5, 6, 9, 10, 11, 15])
     kept = np.array([1, 0, 0, 0, 1, 0, 0, 1, 1], bool)
     assert evicted_runs(positions, kept) == [(1, 6), (9, 11)]
+
+
+def test_policy_specs_set_options_and_refuse_bad_ones():
+    policy = make_policy("rkv:lam=0.1,kernel=5,similar=0.6")
+    assert (policy.lam, policy.kernel, policy.similar) == (0.1, 5, 0.6)
+    assert make_policy("snapkv:kernel=3").kernel == 3
+    assert KVBudget(policy="rkv:lam=0.2").policy == "rkv:lam=0.2"
+    for spec, message in [("lru", "unknown eviction policy 'lru'.*streaming"),
+                          ("rkv:gamma=1", "policy rkv has no option 'gamma': its options are lam, kernel, similar"),
+                          ("rkv:lam=high", r"rkv:lam='high' is not a float"),
+                          ("rkv:kernel", "needs a value: write rkv:kernel=VALUE"),
+                          ("rkv:lam=2", "rkv needs 0 <= lam <= 1"),
+                          ("streaming:kernel=3", "policy streaming has no option 'kernel': its options are none")]:
+        with pytest.raises(KVRescueError, match=message):
+            KVBudget(policy=spec)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -80,46 +106,118 @@ def test_resident_cells_stay_within_budget_over_2000_tokens(base_model, budget_s
                 assert kept[-1], "the newest position is always kept"
             assert ctx.n_cells(s) <= budget.limit
     assert fired >= n_seq * (2000 + len(prompt) - budget.limit) // budget.buffer
+    assert seqs.fallback_evictions == 0
     assert all(ctx.pos_max(s) == len(prompt) + 1999 for s in range(n_seq))
 
 
-def rkv_reference(inputs, budget, lam=0.1, kernel=7, similar=0.5):
-    """R-KV's selection written out directly from its definition (DESIGN.md §5), loop by loop."""
-    n = len(inputs.positions)
-    attention = np.array([max(inputs.window_attention[max(0, i - kernel // 2):i + kernel // 2 + 1]) for i in range(n)])
-    importance = attention / attention.sum()
-    keys = inputs.keys / np.linalg.norm(inputs.keys, axis=1, keepdims=True)
-    mean_similarity = np.zeros(n)
-    for i in range(n):
-        similar_later = [j for j in range(i + 1, n) if keys[i] @ keys[j] > similar]
-        exempt = similar_later[-1] if similar_later else None
-        mean_similarity[i] = sum(keys[i] @ keys[j] for j in range(n) if j not in (i, exempt)) / (n - 1)
-    redundancy = np.exp(mean_similarity - mean_similarity.max())
-    redundancy /= redundancy.sum()
-    score = lam * importance - (1 - lam) * redundancy
-    forced = set(range(budget.n_sink)) | set(range(n - budget.window, n))
-    free = sorted(set(range(n)) - forced, key=lambda i: (score[i], inputs.positions[i]), reverse=True)
-    keep = forced | set(free[: budget.budget - len(forced)])
-    return np.array([i in keep for i in range(n)])
+def ingest(seqs: BudgetedSequences, seq_id: int, tokens, most: int, on_eviction=lambda: None) -> None:
+    """What the generator does with a prompt or a committed step: chunks from next_chunk, enforce after each."""
+    offset = 0
+    while offset < len(tokens):
+        size = seqs.next_chunk(seq_id, len(tokens) - offset, most)
+        seqs.ctx.prefill(seq_id, tokens[offset:offset + size])
+        offset += size
+        if seqs.enforce(seq_id):
+            on_eviction()
 
 
-def test_rkv_selection_equals_the_formula_on_captured_inputs(base_model):
-    budget = KVBudget(budget=64, buffer=128, policy="rkv")
+def token_stream(model, n: int) -> np.ndarray:
+    text = (PROMPT + "a=17, d=93: 17+93=110, 110-5=105. The answer is 105.\n\n") * 4
+    tokens = model.tokenize(text)
+    assert len(tokens) >= n
+    return tokens[:n]
+
+
+@pytest.mark.parametrize("policy", ["rkv", "snapkv"])
+def test_a_40_token_chunk_across_the_limit_ranks_by_the_last_window_queries(base_model, policy):
+    """The window attention an eviction sees is exactly that of the `window` queries before it, however
+    the tokens arrive: checked against a second context that only ever observes those queries."""
+    budget = KVBudget(budget=24, buffer=16, window=8, policy=policy)  # limit 40
+    tokens = token_stream(base_model, 60)
+    params = ContextParams(n_ctx=256, kv_type="f32", flash_attn="off")
+    seqs = BudgetedSequences(Context(base_model, params), budget)
+    ingest(seqs, 0, tokens[:20], most=512)
+    seen = []
+    ingest(seqs, 0, tokens[20:60], most=512, on_eviction=lambda: seen.append(seqs.last_choice))
+    assert len(seen) == 2 and seqs.fallback_evictions == 0
+    inputs, _ = seen[0]  # the first eviction: 40 entries, positions 0..39
+    np.testing.assert_array_equal(inputs.positions, np.arange(40))
+
+    alone = Context(base_model, params)
+    enable_scores(alone, budget.window)
+    alone.prefill(0, tokens[:32])
+    reset_scores(alone, 0)
+    alone.prefill(0, tokens[32:40])
+    cells, _ = alone.cells(0)
+    expected = np.stack([cell_scores(alone, 0, layer)[cells] for layer in range(base_model.n_layer)])
+    np.testing.assert_allclose(inputs.window_attention, expected, rtol=1e-4, atol=1e-6)
+    assert seqs.ctx.n_cells(0) == 24 + 4
+
+
+def test_a_chunk_past_the_window_start_is_counted_as_a_fallback(base_model):
+    budget = KVBudget(budget=24, buffer=16, window=8)
+    seqs = BudgetedSequences(Context(base_model, ContextParams(n_ctx=256, flash_attn="off")), budget)
+    seqs.ctx.prefill(0, token_stream(base_model, 44))  # one decode from 0 to 44: no decode ended at 32
+    assert seqs.enforce(0) and seqs.fallback_evictions == 1
+
+
+def test_a_prompt_longer_than_the_budget_is_compressed_once_read(base_model):
+    budget = KVBudget(budget=24, buffer=64, window=8)
+    seqs = BudgetedSequences(Context(base_model, ContextParams(n_ctx=256, flash_attn="off")), budget)
+    prompt = token_stream(base_model, 50)
+    seqs.n_prompt = len(prompt)
+    ingest(seqs, 0, prompt, most=16)
+    assert seqs.ctx.n_cells(0) == 24 and seqs.evictions == 1 and seqs.fallback_evictions == 0
+    assert seqs.last_choice[1][-8:].all()
+    seqs.ctx.step([0], [int(prompt[0])])
+    assert not seqs.enforce(0), "after the prompt, eviction waits for budget + buffer"
+
+
+def test_redundancy_is_the_reference_s_and_spares_the_newest_copy():
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((2, 3, 40, 64))
+    copies = [5, 17, 30]
+    for c in copies[1:]:
+        keys[:, :, c] = keys[:, :, copies[0]] + 0.01 * rng.standard_normal((2, 3, 64))
+    ours = redundancy(keys)
+    for layer in range(2):
+        for head in range(3):
+            theirs = reference.similarity_scores(keys[layer, head])
+            np.testing.assert_allclose(ours[layer, head], theirs, rtol=1e-9)
+            assert theirs[copies[0]] > theirs[copies[1]] > theirs[copies[2]], "oldest copy most redundant"
+    budget = KVBudget(budget=39, window=8)  # one of the 32 candidates must go: a copy, the oldest
+    positions = np.arange(40, dtype=np.int32)
+    forced = budget.forced(positions, 0)
+    inputs = EvictionInputs(positions, forced, budget.budget - int(forced.sum()),
+                            window_attention=np.ones((2, 40)), keys=keys)
+    kept = budget.keep(positions, make_policy("rkv").score(inputs), 0)
+    assert np.flatnonzero(~kept).tolist() == [copies[0]]
+
+
+def test_rkv_keeps_what_most_reference_heads_keep_on_captured_inputs(base_model):
+    """On keys and window attention read from llama.cpp, the kept set is the top of the votes of the
+    reference's per-(layer, head) selections, given the same (per-layer) attention."""
+    budget = KVBudget(budget=64, buffer=128, window=8)
     ctx = Context(base_model, ContextParams(n_ctx=1024, flash_attn="off"))
     seqs = BudgetedSequences(ctx, budget)
     row = ctx.prefill(0, base_model.tokenize(PROMPT))
     checked = 0
     for _ in range(600):
-        token = int(np.argmax(ctx.logits(row)))
-        ctx.step([0], [token])
+        ctx.step([0], [int(np.argmax(ctx.logits(row)))])
         row = 0
         if seqs.enforce(0):
             inputs, kept = seqs.last_choice
-            assert inputs.keys.shape == (len(inputs.positions), base_model.n_embd // 2)  # n_head_kv * head_dim
-            assert np.all(inputs.window_attention >= -1e-6) and inputs.window_attention.sum() > 0
-            np.testing.assert_array_equal(kept, rkv_reference(inputs, budget))
+            n_layer, n_head_kv, n, _ = inputs.keys.shape
+            assert (n_layer, n_head_kv * inputs.keys.shape[3]) == (base_model.n_layer, base_model.n_embd // 2)
+            attention = inputs.window_attention[:, :-budget.window]
+            attention = np.repeat((attention / attention.sum(axis=1, keepdims=True))[:, None], n_head_kv, axis=1)
+            per_head = reference.select(inputs.keys, attention, budget.budget, budget.window)
+            votes = per_head[..., :-budget.window].sum(axis=(0, 1))
+            ours = np.flatnonzero(kept[:-budget.window])
+            assert votes[ours].min() >= np.delete(votes, ours).max()
+            assert reference.overlap(kept, per_head, budget.window) > 0.5
             checked += 1
-    assert checked >= 3
+    assert checked >= 3 and seqs.fallback_evictions == 0
 
 
 def test_a_budget_larger_than_the_generation_changes_nothing(base_model):
@@ -145,8 +243,8 @@ def test_a_budget_larger_than_the_generation_changes_nothing(base_model):
 def test_refusals(base_model):
     with pytest.raises(KVRescueError, match="must exceed sinks"):
         KVBudget(budget=12, n_sink=4, window=8)
-    with pytest.raises(KVRescueError, match="unknown eviction policy 'lru'.*streaming"):
-        KVBudget(policy="lru")
+    with pytest.raises(KVRescueError, match="buffer >= window"):
+        KVBudget(buffer=4, window=8)
     budget = KVBudget(budget=64, buffer=128)
     small = Context(base_model, ContextParams(n_ctx=512, n_seq_max=9))
     with pytest.raises(KVRescueError, match="too small for 9 sequences.*raise the base context"):

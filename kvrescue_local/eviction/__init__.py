@@ -4,4 +4,7 @@ from . import h2o, rkv, snapkv, streaming  # noqa: F401  (each registers its pol
 from .base import POLICIES, EvictionInputs, Policy, make_policy
 from .budget import BudgetedSequences, KVBudget, evicted_runs
 
-__all__ = ["POLICIES", "BudgetedSequences", "EvictionInputs", "KVBudget", "Policy", "evicted_runs", "make_policy"]
+POLICY_HELP = (f"eviction policy: NAME or NAME:OPTION=VALUE,... with NAME one of {', '.join(sorted(POLICIES))} "
+               "(e.g. rkv:lam=0.07,kernel=7,similar=0.5)")
+
+__all__ = ["POLICIES", "POLICY_HELP", "BudgetedSequences", "EvictionInputs", "KVBudget", "Policy", "evicted_runs", "make_policy"]

@@ -1,7 +1,8 @@
-"""What an eviction policy sees, and the registry of policies by name."""
+"""What an eviction policy sees, the registry of policies by name, and policy specs ("rkv:lam=0.1")."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,17 +15,24 @@ class EvictionInputs:
     """One sequence's resident entries at compression time, in increasing position order."""
 
     positions: np.ndarray  # int32 [n]
-    window_attention: np.ndarray | None = None  # [n] attention from the last observation-window queries
-    cumulative_attention: np.ndarray | None = None  # [n] attention summed since each entry arrived
-    keys: np.ndarray | None = None  # [n, d] post-RoPE keys of one or more layers, concatenated
+    forced: np.ndarray | None = None  # bool [n]: kept whatever the scores (sinks, recent window, protected prompt)
+    n_choose: int = 0  # how many of the other entries the budget keeps
+    window_attention: np.ndarray | None = None  # [n_layer, n]: attention from the last `window` queries, per layer
+    cumulative_attention: np.ndarray | None = None  # [n]: attention summed since each entry arrived, all layers
+    keys: np.ndarray | None = None  # [n_layer, n_head_kv, n, head_dim]: post-RoPE keys
 
 
 @dataclass(frozen=True)
 class Policy:
-    """Scores resident entries: the budget keeps the highest-scoring ones (plus sinks and the recent window)."""
+    """Scores resident entries: the budget keeps the highest-scoring ones (plus the forced ones).
+
+    `n_sink` is the policy's default number of first entries always kept (what its reference does);
+    a KVBudget's n_sink overrides it.
+    """
 
     needs_attention = False
     needs_keys = False
+    n_sink = 0
 
     def score(self, inputs: EvictionInputs) -> np.ndarray:
         raise NotImplementedError
@@ -41,18 +49,43 @@ def register(name: str):
     return add
 
 
-def make_policy(name: str, **options) -> Policy:
+def parse_option(cls: type[Policy], name: str, key: str, text: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if key not in fields:
+        known = ", ".join(fields) or "none"
+        raise KVRescueError(f"policy {name} has no option {key!r}: its options are {known}")
+    kind = fields[key].type
+    kind = {"float": float, "int": int, "str": str}.get(kind, kind) if isinstance(kind, str) else kind
     try:
-        return POLICIES[name](**options)
-    except KeyError:
-        raise KVRescueError(f"unknown eviction policy {name!r}: use one of {', '.join(sorted(POLICIES))}") from None
+        return kind(text)
+    except ValueError:
+        raise KVRescueError(f"policy option {name}:{key}={text!r} is not a {kind.__name__}: "
+                            f"write e.g. {name}:{key}={fields[key].default}") from None
+
+
+def make_policy(spec: str) -> Policy:
+    """A policy from its spec: a name, optionally with options, e.g. `rkv` or `rkv:lam=0.1,kernel=7`."""
+    name, _, options = spec.partition(":")
+    if name not in POLICIES:
+        raise KVRescueError(f"unknown eviction policy {name!r}: use one of {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[name]
+    values = {}
+    for item in filter(None, options.split(",")):
+        key, eq, text = item.partition("=")
+        if not eq or not text:
+            raise KVRescueError(f"policy option {item!r} needs a value: write {name}:{key.strip()}=VALUE")
+        values[key.strip()] = parse_option(cls, name, key.strip(), text.strip())
+    try:
+        return cls(**values)
+    except ValueError as error:
+        raise KVRescueError(f"policy {spec!r}: {error}") from None
 
 
 def max_pool(x: np.ndarray, kernel: int) -> np.ndarray:
-    """Same-length 1-D max pooling (SnapKV's clustering of neighbouring positions)."""
-    if kernel <= 1 or len(x) == 0:
+    """Same-length max pooling along the last axis (SnapKV's clustering of neighbouring positions)."""
+    if kernel <= 1 or x.shape[-1] == 0:
         return x
     pad = kernel // 2
-    padded = np.pad(x, pad, mode="edge")
-    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel)
-    return windows.max(axis=1)[: len(x)]
+    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], mode="edge")
+    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1)
+    return windows.max(axis=-1)[..., : x.shape[-1]]

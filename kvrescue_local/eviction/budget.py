@@ -1,9 +1,11 @@
 """The KV budget: when a sequence's resident cells reach budget + buffer, evict back to budget.
 
-Token-level eviction (one keep-set for all layers and heads) through `seq_rm` over runs of
-positions. The sinks, the recent window (which holds the newest position: the next token must
-sit at pos_max + 1) and, optionally, the prompt are always kept; the policy's scores choose the
-rest. Works per sequence, so N candidates decoding in one batch are budgeted independently.
+Token-level eviction (one keep-set for all layers and heads: a llama.cpp cell is one position in every
+layer) through `seq_rm` over runs of positions. The recent window (which holds the newest position:
+the next token must sit at pos_max + 1), the policy's sinks and, optionally, the prompt are always
+kept; the policy's scores choose the rest. A prompt longer than the budget is compressed to it as soon
+as it has been read, as R-KV does at prefill. Works per sequence, so N candidates decoding in one
+batch are budgeted independently.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 
 from ..errors import KVRescueError
 from ..runtime import Context
-from ..runtime.attention import cell_scores, copy_scores, enable_scores, key_rows
+from ..runtime.attention import cell_scores, copy_scores, enable_scores, key_rows, n_head_kv
 from .base import EvictionInputs, Policy, make_policy
 
 
@@ -22,18 +24,24 @@ from .base import EvictionInputs, Policy, make_policy
 class KVBudget:
     budget: int = 64
     buffer: int = 128
-    n_sink: int = 4
+    n_sink: int | None = None  # first entries always kept; None: the policy's default (what its reference keeps)
     window: int = 8  # recent entries always kept; also the observation window of attention policies
-    policy: str = "streaming"
+    policy: str = "rkv"  # a policy spec: a name, optionally with options, e.g. "rkv:lam=0.1,kernel=7"
     protect_prompt: bool = False
 
     def __post_init__(self) -> None:
         make_policy(self.policy)
-        if self.n_sink < 0 or self.window < 1 or self.buffer < 1:
-            raise KVRescueError("KV budget needs n_sink >= 0, window >= 1 and buffer >= 1")
-        if self.budget <= self.n_sink + self.window:
+        if (self.n_sink is not None and self.n_sink < 0) or self.window < 1 or self.buffer < self.window:
+            raise KVRescueError(f"KV budget needs n_sink >= 0, window >= 1 and buffer >= window (the observation "
+                                f"window fits between evictions): got n_sink={self.n_sink}, window={self.window}, "
+                                f"buffer={self.buffer}")
+        if self.budget <= self.sinks + self.window:
             raise KVRescueError(f"KV budget {self.budget} leaves no room for the policy: it must exceed sinks "
-                                f"({self.n_sink}) + window ({self.window}); raise --budget or lower --window")
+                                f"({self.sinks}) + window ({self.window}); raise --budget or lower --window")
+
+    @property
+    def sinks(self) -> int:
+        return make_policy(self.policy).n_sink if self.n_sink is None else self.n_sink
 
     @property
     def limit(self) -> int:
@@ -50,16 +58,21 @@ class KVBudget:
             raise KVRescueError(f"base context n_ctx={ctx.n_ctx} is too small for {n_sequences} sequences of "
                                 f"budget {self.budget} + buffer {self.buffer}: it needs {needed}; raise the base context")
 
+    def forced(self, positions: np.ndarray, n_prompt: int) -> np.ndarray:
+        """Boolean mask of the entries kept whatever the scores: sinks, recent window, protected prompt."""
+        forced = np.zeros(len(positions), bool)
+        forced[: self.sinks] = True
+        forced[-self.window:] = True
+        if self.protect_prompt:
+            forced |= positions < n_prompt
+        return forced
+
     def keep(self, positions: np.ndarray, scores: np.ndarray, n_prompt: int) -> np.ndarray:
         """Boolean mask over positions: exactly `budget` entries (or all, if fewer) kept."""
         n = len(positions)
         if n <= self.budget:
             return np.ones(n, bool)
-        forced = np.zeros(n, bool)
-        forced[: self.n_sink] = True
-        forced[-self.window:] = True
-        if self.protect_prompt:
-            forced |= positions < n_prompt
+        forced = self.forced(positions, n_prompt)
         room = self.budget - int(forced.sum())
         if room < 0:
             raise KVRescueError(f"the protected prompt ({n_prompt} tokens) does not fit in KV budget {self.budget}: "
@@ -89,13 +102,27 @@ def evicted_runs(positions: np.ndarray, kept: np.ndarray) -> list[tuple[int, int
 
 
 @dataclass
-class BudgetedSequences:
-    """Applies a KVBudget to the sequences of one context.
+class Track:
+    """What the budget knows of one sequence between its decodes."""
 
-    Attention policies read the patch's per-sequence scores: a cell's score is the attention it
-    received since its token was written (H2O's cumulative attention); the observation-window
-    attention is that minus a snapshot taken `window` tokens before the budget fires. R-KV also
-    reads the last layer's keys of the resident cells.
+    taken: int = 0  # tokens decoded into it since it was empty: its clock
+    cells: int = 0  # resident cells when last seen
+    snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # clock -> (positions, [n_layer, n])
+
+    def copy(self) -> Track:
+        return Track(self.taken, self.cells, dict(self.snapshots))
+
+
+@dataclass
+class BudgetedSequences:
+    """Applies a KVBudget to the sequences of one context; call `enforce` after every decode of a sequence.
+
+    Attention policies read the patch's per-sequence, per-layer scores: a cell's score is the
+    attention it received since its token was written, from the last `window` queries of each
+    decode. An eviction at clock t ranks by that minus a snapshot taken at clock t - window, so
+    by exactly the last `window` queries. The snapshot exists when a decode ended at t - window:
+    single-token decodes always do, and `next_chunk` cuts longer ones there. An eviction that finds
+    none falls back to attention since arrival and is counted in `fallback_evictions`.
     """
 
     ctx: Context
@@ -103,9 +130,10 @@ class BudgetedSequences:
     n_prompt: int = 0
     policy: Policy = field(init=False)
     evictions: int = 0
+    fallback_evictions: int = 0  # evictions of an attention policy that had no observation-window snapshot
     peak_cells: int = 0  # most cells a sequence held when checked (the caller may reset it)
     last_choice: tuple[EvictionInputs, np.ndarray] | None = None  # what the policy saw and kept, last time
-    snapshots: dict[int, dict[int, float]] = field(default_factory=dict)  # seq -> {position: score}
+    tracks: dict[int, Track] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.config.policy)
@@ -119,38 +147,97 @@ class BudgetedSequences:
         self.ctx.fork(src, dst)
         if self.policy.needs_attention:
             copy_scores(self.ctx, src, dst)
-            self.snapshots.pop(dst, None)
-            if src in self.snapshots:
-                self.snapshots[dst] = dict(self.snapshots[src])
+        self.tracks[dst] = self.track(src).copy()
 
     def drop(self, seq_id: int) -> None:
         self.ctx.drop(seq_id)
-        self.snapshots.pop(seq_id, None)
+        self.tracks.pop(seq_id, None)
+
+    def track(self, seq_id: int) -> Track:
+        """seq_id's track, its clock advanced by the tokens decoded since it was last seen."""
+        track = self.tracks.setdefault(seq_id, Track())
+        cells = self.ctx.n_cells(seq_id)
+        track.taken += cells - track.cells
+        track.cells = cells
+        return track
+
+    @property
+    def compresses_prompt(self) -> bool:
+        return self.n_prompt > self.config.budget
+
+    def next_chunk(self, seq_id: int, n_tokens: int, most: int) -> int:
+        """How many of n_tokens to decode into seq_id next (at most `most`): a decode ends at every
+        eviction point and at every start of an observation window, so that a snapshot is taken there."""
+        track = self.track(seq_id)
+        limit, window = self.config.limit, self.config.window
+        ahead = [limit - track.cells]
+        if self.compresses_prompt:
+            ahead.append(self.n_prompt - track.taken)
+        if self.policy.needs_attention:
+            ahead.append(limit - window - track.cells)
+            if self.compresses_prompt:
+                ahead.append(self.n_prompt - window - track.taken)
+        return min([n_tokens, most] + [a for a in ahead if a > 0])
 
     def enforce(self, seq_id: int) -> bool:
-        """Evict seq_id back to the budget if it reached budget + buffer; True if it evicted."""
-        n = self.ctx.n_cells(seq_id)
-        self.peak_cells = max(self.peak_cells, n)
-        if self.policy.needs_attention and n == self.config.limit - self.config.window:
+        """Evict seq_id back to the budget if it reached budget + buffer (or just read a prompt longer than
+        the budget); True if it evicted."""
+        track = self.track(seq_id)
+        self.peak_cells = max(self.peak_cells, track.cells)
+        prompt_read = self.compresses_prompt and track.taken == self.n_prompt and track.cells > self.config.budget
+        evicted = track.cells >= self.config.limit or prompt_read
+        if evicted:
+            self.evict(seq_id, track)
+        window_starts = (track.cells == self.config.limit - self.config.window
+                         or (self.compresses_prompt and track.taken == self.n_prompt - self.config.window))
+        if self.policy.needs_attention and window_starts:
             cells, positions = self.ctx.cells(seq_id)
-            self.snapshots[seq_id] = dict(zip(positions.tolist(), cell_scores(self.ctx, seq_id)[cells].tolist()))
-        if n < self.config.limit:
-            return False
+            track.snapshots[track.taken] = (positions, self.layer_scores(seq_id, cells))
+        return evicted
+
+    def evict(self, seq_id: int, track: Track) -> None:
         cells, positions = self.ctx.cells(seq_id)
-        inputs = self.inputs(seq_id, cells, positions)
+        inputs = self.inputs(seq_id, track, cells, positions)
         kept = self.config.keep(positions, self.policy.score(inputs), self.n_prompt)
         for p0, p1 in evicted_runs(positions, kept):
             self.ctx.remove(seq_id, p0, p1)
-        self.snapshots.pop(seq_id, None)
+        track.cells = self.ctx.n_cells(seq_id)
+        # a later eviction reads a snapshot at most `window` tokens old
+        track.snapshots = {t: s for t, s in track.snapshots.items() if t > track.taken - self.config.window}
         self.last_choice = (inputs, kept)
         self.evictions += 1
-        return True
 
-    def inputs(self, seq_id: int, cells: np.ndarray, positions: np.ndarray) -> EvictionInputs:
+    def layer_scores(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
+        """[n_layer, len(cells)] accumulated attention of seq_id."""
+        return np.stack([cell_scores(self.ctx, seq_id, layer)[cells] for layer in range(self.ctx.model.n_layer)])
+
+    def window_attention(self, seq_id: int, track: Track, cells: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """[n_layer, n] attention from the last `window` queries (since arrival, if the snapshot is missing)."""
+        now = self.layer_scores(seq_id, cells).astype(np.float64)
+        start = track.taken - self.config.window
+        if start <= 0:  # every query so far is in the window
+            return now
+        if start not in track.snapshots:
+            self.fallback_evictions += 1
+            return now
+        before_positions, before = track.snapshots[start]
+        at = np.minimum(np.searchsorted(before_positions, positions), len(before_positions) - 1)
+        present = before_positions[at] == positions
+        now[:, present] -= before[:, at[present]]
+        return now
+
+    def inputs(self, seq_id: int, track: Track, cells: np.ndarray, positions: np.ndarray) -> EvictionInputs:
+        forced = self.config.forced(positions, self.n_prompt)
+        n_choose = max(0, self.config.budget - int(forced.sum()))
         if not self.policy.needs_attention:
-            return EvictionInputs(positions=positions)
+            return EvictionInputs(positions, forced, n_choose)
+        window = self.window_attention(seq_id, track, cells, positions)
         cumulative = cell_scores(self.ctx, seq_id)[cells].astype(np.float64)
-        before = self.snapshots.get(seq_id, {})
-        window = cumulative - np.array([before.get(p, 0.0) for p in positions.tolist()])
-        keys = key_rows(self.ctx, self.ctx.model.n_layer - 1, cells) if self.policy.needs_keys else None
-        return EvictionInputs(positions, window_attention=window, cumulative_attention=cumulative, keys=keys)
+        keys = None
+        if self.policy.needs_keys:
+            rows = np.stack([key_rows(self.ctx, layer, cells) for layer in range(self.ctx.model.n_layer)])
+            n_layer, n, width = rows.shape
+            heads = n_head_kv(self.ctx)
+            keys = rows.reshape(n_layer, n, heads, width // heads).transpose(0, 2, 1, 3)
+        return EvictionInputs(positions, forced, n_choose, window_attention=window, cumulative_attention=cumulative,
+                              keys=keys)

@@ -1,4 +1,8 @@
-"""H2O: heavy hitters by attention accumulated over the whole generation."""
+"""H2O: heavy hitters by attention accumulated over the whole generation.
+
+The H2O paper's rule (R-KV's "h2o" baseline scores by the last query alone). No sinks by default, as
+there; the budget keeps the `window` newest entries, which hold the newest position llama.cpp needs.
+"""
 
 from dataclasses import dataclass
 

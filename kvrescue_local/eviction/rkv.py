@@ -1,9 +1,24 @@
-"""R-KV: importance from the observation window minus redundancy among keys.
+"""R-KV: importance from the observation window minus redundancy among keys, per layer and KV head.
 
-score = lam * importance - (1 - lam) * redundancy, where importance is the max-pooled
-window attention and redundancy is each key's mean cosine similarity to the other keys
-(diagonal zeroed; a key's most recent highly similar neighbour, above `similar`, is
-exempt, so the newest of a repeated pair survives), softmaxed over entries.
+As the reference runs it (github Zefan-Cai/R-KV: rkv/compression/r1_kv.py, rkv/utils.py), each layer
+and KV head scores the entries outside the recent window:
+  importance = the window's attention, normalised over those entries and max-pooled over `kernel`
+               neighbours;
+  redundancy = a softmax over all entries of each key's mean cosine similarity to every key (the
+               diagonal zeroed), after each key's similarity to the newest other key above `similar`
+               (to the first key, when there is none) is zeroed: of a group of near-identical keys the
+               newest is spared and the oldest penalised most;
+  score      = lam * importance - (1 - lam) * redundancy, and the head keeps its best entries.
+A llama.cpp cell is one position in every layer and head, so one keep-set must serve them all: the
+policy keeps the entries that the most (layer, head) pairs would keep (ties: the higher mean score),
+which maximises the mean share of each pair's own choice that survives; bench/rkv_overlap.py measures
+that share against a port of the reference (eviction/reference.py).
+Deviations forced by llama.cpp: one keep-set per position; the attention is per layer, summed over the
+query heads inside the graph, where the reference max-pools the logits of each KV head's query group;
+its softmax spans every visible key, where the reference's spans the keys outside the window.
+Defaults as the reference runs them: lam 0.07 (its --mix_lambda), kernel 7, similar 0.5, no sinks;
+the budget keeps the 8 newest entries (these hold the newest position, which llama.cpp needs) and
+compresses a prompt longer than the budget once it has been read.
 """
 
 from dataclasses import dataclass
@@ -14,32 +29,47 @@ from .base import EvictionInputs, Policy, max_pool, register
 
 
 def redundancy(keys: np.ndarray, similar: float = 0.5) -> np.ndarray:
+    """[..., n] redundancy of keys [..., n, d]: R-KV's softmaxed mean similarity, newest copy spared."""
     k = keys.astype(np.float64)
-    k /= np.maximum(np.linalg.norm(k, axis=1, keepdims=True), 1e-12)
-    sim = k @ k.T
-    np.fill_diagonal(sim, 0.0)
-    n = len(k)
-    # the most recent later neighbour above the threshold does not count against a key
-    later = np.triu(sim > similar, 1)
-    has_later = later.any(axis=1)
-    newest = n - 1 - np.argmax(later[:, ::-1], axis=1)
-    rows = np.flatnonzero(has_later)
-    sim[rows, newest[rows]] = 0.0
-    mean_sim = sim.sum(axis=1) / max(1, n - 1)
-    e = np.exp(mean_sim - mean_sim.max())
-    return e / e.sum()
+    k /= np.linalg.norm(k, axis=-1, keepdims=True) + 1e-8
+    sim = k @ np.swapaxes(k, -1, -2)
+    n = sim.shape[-1]
+    sim[..., np.arange(n), np.arange(n)] = 0.0
+    above = sim > similar
+    newest = np.where(above.any(axis=-1), n - 1 - np.argmax(above[..., ::-1], axis=-1), 0)
+    np.put_along_axis(sim, newest[..., None], 0.0, axis=-1)
+    mean = sim.mean(axis=-2)
+    e = np.exp(mean - mean.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 @register("rkv")
 @dataclass(frozen=True)
 class RKVPolicy(Policy):
-    lam: float = 0.1
+    lam: float = 0.07
     kernel: int = 7
     similar: float = 0.5
     needs_attention = True
     needs_keys = True
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lam <= 1.0 or self.kernel < 1 or not -1.0 <= self.similar <= 1.0:
+            raise ValueError(f"rkv needs 0 <= lam <= 1, kernel >= 1 and -1 <= similar <= 1 (got lam={self.lam}, "
+                             f"kernel={self.kernel}, similar={self.similar})")
+
+    def head_scores(self, inputs: EvictionInputs) -> np.ndarray:
+        """[n_layer, n_head_kv, n_free]: each pair's score of the entries the budget may drop."""
+        free = ~inputs.forced
+        attention = np.asarray(inputs.window_attention, np.float64)[:, free]
+        importance = max_pool(attention / np.maximum(attention.sum(axis=-1, keepdims=True), 1e-12), self.kernel)
+        return self.lam * importance[:, None, :] - (1 - self.lam) * redundancy(inputs.keys, self.similar)[..., free]
+
     def score(self, inputs: EvictionInputs) -> np.ndarray:
-        attention = max_pool(np.asarray(inputs.window_attention, np.float64), self.kernel)
-        importance = attention / max(attention.sum(), 1e-12)
-        return self.lam * importance - (1 - self.lam) * redundancy(inputs.keys, self.similar)
+        free = np.flatnonzero(~inputs.forced)
+        per_head = self.head_scores(inputs).reshape(-1, len(free))
+        chosen = np.argsort(-per_head, axis=-1, kind="stable")[:, : min(inputs.n_choose, len(free))]
+        votes = np.bincount(chosen.ravel(), minlength=len(free)).astype(np.float64)
+        tie_break = np.argsort(np.argsort(per_head.mean(axis=0), kind="stable"), kind="stable") / len(free)
+        scores = np.zeros(len(inputs.positions))
+        scores[free] = votes + tie_break
+        return scores

@@ -98,8 +98,11 @@ class Generator:
         tokens = np.asarray(tokens, dtype=np.int32)
         if len(tokens) == 0:
             return
-        for offset in range(0, len(tokens), self.chunk):
-            chunk = tokens[offset:offset + self.chunk]
+        offset = 0
+        while offset < len(tokens):
+            size = self.budget.next_chunk(COMMITTED, len(tokens) - offset, self.chunk) if self.budget else self.chunk
+            chunk = tokens[offset:offset + size]
+            offset += size
             if not self.budget and self.ctx.pos_max(COMMITTED) + 1 + len(chunk) + self.n > self.ctx.n_ctx:
                 raise KVRescueError(f"the {self.side} context (n_ctx={self.ctx.n_ctx}) is full: raise its context "
                                     "size or lower --max-tokens")

@@ -66,6 +66,7 @@ class Trajectory:
     answer: str | None = None
     tokens: dict = field(default_factory=lambda: {"base": 0, "helper": 0, "committed": 0})
     base_cells: list[dict] = field(default_factory=list)
+    evictions: dict = field(default_factory=lambda: {"evictions": 0, "fallback_evictions": 0})
     timings: dict = field(default_factory=dict)
 
     @property
@@ -78,7 +79,8 @@ class Trajectory:
         return {"problem": self.problem, "answer": self.answer, "stop": self.stop, "text": self.text,
                 "n_steps": len(self.steps), "tokens": self.tokens,
                 "early_exit_fraction": killed / len(base_candidates) if base_candidates else 0.0,
-                "base_cells": self.base_cells, "timings": self.timings, "config": self.config, "steps": self.steps}
+                "base_cells": self.base_cells, "evictions": self.evictions, "timings": self.timings,
+                "config": self.config, "steps": self.steps}
 
 
 class Rescue:
@@ -120,6 +122,8 @@ class Rescue:
         cfg = self.config
         started = time.perf_counter()
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
+        budget = self.sides["base"].budget if "base" in self.sides else None
+        evictions_before = (budget.evictions, budget.fallback_evictions) if budget else (0, 0)
         prm_seconds = 0.0
         prompt = cfg.prompt.format(problem=problem)
         traj = Trajectory(problem, cfg.as_dict())
@@ -172,6 +176,9 @@ class Rescue:
         else:
             traj.stop = "max_steps"
         traj.answer = last_boxed(traj.text)
+        if budget:  # the observation-window fallbacks must stay 0: see BudgetedSequences
+            traj.evictions = {"evictions": budget.evictions - evictions_before[0],
+                              "fallback_evictions": budget.fallback_evictions - evictions_before[1]}
         for name, gen in self.sides.items():
             traj.tokens[name] = gen.tokens_generated
         in_llama = {name: g.llama_seconds - llama_before[name] for name, g in self.sides.items()}

@@ -81,19 +81,21 @@ def cell_scores(ctx: Context, seq_id: int, layer: int = -1) -> np.ndarray:
     return out
 
 
+def n_head_kv(ctx: Context) -> int:
+    """KV heads per layer (a K row holds one key of head_k values per KV head)."""
+    return llama().llama_model_n_head_kv(ctx.model.handle)
+
+
 def n_embd_k_gqa(ctx: Context) -> int:
     """Width of one K row: key head size times the number of KV heads."""
-    low = llama()
     model = ctx.model.handle
-    n_head = low.llama_model_n_head(model)
-    n_head_kv = low.llama_model_n_head_kv(model)
-    head_k = ctx.model.n_embd // n_head
+    head_k = ctx.model.n_embd // llama().llama_model_n_head(model)
     arch = _meta(model, "general.architecture")
     if arch:
         key_length = _meta(model, f"{arch}.attention.key_length")
         if key_length:
             head_k = int(key_length)
-    return head_k * n_head_kv
+    return head_k * n_head_kv(ctx)
 
 
 def _meta(model, key: str) -> str | None:
