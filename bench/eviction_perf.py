@@ -5,7 +5,12 @@ For each policy and budget (64, 256, 512): tokens/s over a 2,000-token generatio
 candidates decoded together, the share of wall time spent choosing and evicting (reading
 scores, keys and the cell map, scoring, seq_rm), and the resident KV bytes at the end vs full KV.
 
-Usage: python3 bench/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
+Only the package's public budget API is used, so another version of it can be timed by the same
+script: `PYTHONPATH=<checkout of that version> python3 bench/eviction_perf.py ...` (the README's
+old-vs-new rkv line compares the last-layer redundancy of commit 4e1596c with the all-layer one).
+
+Usage: PYTHONPATH=. python3 bench/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
+                                                   [--policies rkv,snapkv] [--budgets 64,256]
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--model", type=Path)
+    parser.add_argument("--policies", default=",".join(sorted(POLICIES)))
+    parser.add_argument("--budgets", default="64,256,512")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0))
@@ -69,8 +76,8 @@ def main() -> None:
         print(f"{N_SEQ} sequences x {args.tokens} tokens on {model.describe()}; KV {per_cell} B/cell (f16)")
         print(f"  full KV            : {full_rate:8.0f} tokens/s, resident {cells * per_cell / 2**20:7.2f} MiB "
               f"(cells counted per sequence)")
-        for policy in sorted(POLICIES):
-            for b in (64, 256, 512):
+        for policy in args.policies.split(","):
+            for b in map(int, args.budgets.split(",")):
                 total, evicting, cells = generate(model, prompt, args.tokens, KVBudget(budget=b, policy=policy))
                 rate = N_SEQ * args.tokens / total
                 print(f"  {policy:9s} B={b:<4d}: {rate:8.0f} tokens/s ({rate / full_rate:4.2f}x full), eviction "

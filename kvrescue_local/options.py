@@ -21,7 +21,7 @@ SEARCH_OPTIONS = [
     click.option("--helper", help="helper model (full context): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it) or a hub checkpoint owner/repo"),
     click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction"),
-    click.option("--n-sink", type=int, help="first entries always kept [default: the policy's own: streaming 4, others 0]"),
+    click.option("--n-sink", type=int, help="first entries always kept [default: the policy's: streaming 4, others 0]"),
     click.option("--window", type=int, default=8, show_default=True, help="recent entries always kept"),
     click.option("--protect-prompt", is_flag=True, help="never evict the prompt"),
     click.option("--temp", "temperature", type=float, default=0.7, show_default=True),

@@ -4,82 +4,28 @@ The reference is llama.cpp's own attention: the `kq_soft_max-<il>` (and `Kcur-<i
 captured through the `cb_eval` context parameter with flash attention off.
 """
 
-import ctypes
-
 import numpy as np
 import pytest
 
 from kvrescue_local.errors import KVRescueError
-from kvrescue_local.runtime import Context, ContextParams, llama
-from kvrescue_local.runtime.attention import (cell_scores, copy_scores, enable_scores, key_rows, n_embd_k_gqa,
-                                              reset_scores)
+from kvrescue_local.runtime import Context, ContextParams
+from kvrescue_local.runtime.attention import (GraphCapture, cell_scores, copy_scores, enable_scores, key_rows,
+                                              n_embd_k_gqa, reset_scores)
 
 PROMPT = "<|im_start|>user\nCompute a+b where a=17 and b=25.<|im_end|>\n<|im_start|>assistant\n"
 EXACT = dict(kv_type="f32", flash_attn="off")
 N_OBS = 4
-GGML_TYPE_F32 = 0
 
 
 # --- cb_eval reference --------------------------------------------------------------------
 
-class GGMLTensor(ctypes.Structure):
-    """The head of struct ggml_tensor (ggml.h of the pinned llama.cpp) up to the fields read here."""
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-    ]
-
-
-class Capture:
-    """Copies the named graph tensors of the last llama_decode (CPU backend: data is host memory)."""
-
+class Capture(GraphCapture):
     def __init__(self, prefixes=("kq_soft_max-", "Kcur-")):
-        self.prefixes = prefixes
-        self.tensors: dict[str, np.ndarray] = {}
-        self.callback = llama().ggml_backend_sched_eval_callback(self._on_tensor)
-
-    def _on_tensor(self, t, ask, user_data):
-        tensor = ctypes.cast(t, ctypes.POINTER(GGMLTensor)).contents
-        name = tensor.name.decode()
-        wanted = name.startswith(self.prefixes)
-        if ask:
-            return wanted
-        if wanted:
-            assert tensor.type == GGML_TYPE_F32
-            ne = list(tensor.ne)
-            assert tensor.nb[0] == 4 and tensor.nb[1] == 4 * ne[0] and tensor.nb[2] == tensor.nb[1] * ne[1], name
-            data = ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float))
-            self.tensors[name] = np.ctypeslib.as_array(data, shape=(ne[3], ne[2], ne[1], ne[0]))[0].copy()
-        return True
+        super().__init__(prefixes)
 
     def softmax(self, il: int) -> np.ndarray:
         """[n_head, n_tokens, n_kv] attention probabilities of layer il in the last decode."""
         return self.tensors[f"kq_soft_max-{il}"]
-
-
-def capturing_context(monkeypatch, model, params: ContextParams, capture: Capture) -> Context:
-    """A Context whose llama_context_params carry capture's cb_eval (fixed at creation)."""
-    low = llama()
-    original = low.llama_init_from_model
-
-    def init_with_callback(model_handle, cparams):
-        cparams.cb_eval = capture.callback
-        cparams.cb_eval_user_data = None
-        return original(model_handle, cparams)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(low, "llama_init_from_model", init_with_callback)
-        return Context(model, params)
 
 
 def observation_rows(seq_ids, n_obs: int) -> dict[int, list[int]]:
@@ -128,9 +74,9 @@ def relative_error(actual, expected) -> float:
 
 # --- tests --------------------------------------------------------------------------------
 
-def test_scores_match_the_softmax_of_llama_cpp_across_decodes_and_eviction(base_model, monkeypatch):
+def test_scores_match_the_softmax_of_llama_cpp_across_decodes_and_eviction(base_model):
     capture = Capture()
-    ctx = capturing_context(monkeypatch, base_model, ContextParams(n_ctx=256, **EXACT), capture)
+    ctx = capture.context(base_model, ContextParams(n_ctx=256, **EXACT))
     enable_scores(ctx, N_OBS)
     ref = Reference(ctx, base_model.n_layer)
     prompt = base_model.tokenize(PROMPT)
@@ -249,9 +195,9 @@ def test_reset_copy_and_disable(base_model):
     assert cell_scores(ctx, 0, 0).sum() == pytest.approx(4, rel=1e-5)
 
 
-def test_key_rows_are_the_post_rope_keys(base_model, monkeypatch):
+def test_key_rows_are_the_post_rope_keys(base_model):
     capture = Capture(prefixes=("Kcur-",))
-    ctx = capturing_context(monkeypatch, base_model, ContextParams(n_ctx=256, **EXACT), capture)
+    ctx = capture.context(base_model, ContextParams(n_ctx=256, **EXACT))
     prompt = base_model.tokenize(PROMPT)
     ctx.prefill(0, prompt)
     cells, pos = ctx.cells(0)

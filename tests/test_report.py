@@ -31,8 +31,9 @@ INJECTION = '</pre></td><script>document.body.setAttribute("data-pwned","1")</sc
 
 
 def rescue_config(mode, detector=NO_KILL):
-    return RescueConfig(mode=mode, n=2, kv=KVBudget(budget=32, buffer=16, n_sink=4, window=8), detector=detector,
-                        max_tokens=96, max_step_tokens=24, temperature=1.0, top_p=0.95, seed=1)
+    kv = KVBudget(budget=32, buffer=16, n_sink=4, window=8, policy="streaming")  # SOME_KILLS was fitted with it
+    return RescueConfig(mode=mode, n=2, kv=kv, detector=detector, max_tokens=96, max_step_tokens=24, temperature=1.0,
+                        top_p=0.95, seed=1)
 
 
 def results_line(dataset, pid, gold, cfg: RescueConfig, record):

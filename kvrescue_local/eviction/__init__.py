@@ -7,4 +7,5 @@ from .budget import BudgetedSequences, KVBudget, evicted_runs
 POLICY_HELP = (f"eviction policy: NAME or NAME:OPTION=VALUE,... with NAME one of {', '.join(sorted(POLICIES))} "
                "(e.g. rkv:lam=0.07,kernel=7,similar=0.5)")
 
-__all__ = ["POLICIES", "POLICY_HELP", "BudgetedSequences", "EvictionInputs", "KVBudget", "Policy", "evicted_runs", "make_policy"]
+__all__ = ["POLICIES", "POLICY_HELP", "BudgetedSequences", "EvictionInputs", "KVBudget", "Policy", "evicted_runs",
+           "make_policy"]

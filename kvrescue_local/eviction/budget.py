@@ -107,7 +107,8 @@ class Track:
 
     taken: int = 0  # tokens decoded into it since it was empty: its clock
     cells: int = 0  # resident cells when last seen
-    snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # clock -> (positions, [n_layer, n])
+    # clock -> (positions, [n_layer, n] scores) at that clock
+    snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def copy(self) -> Track:
         return Track(self.taken, self.cells, dict(self.snapshots))

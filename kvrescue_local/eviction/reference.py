@@ -11,18 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def window_attention(queries: np.ndarray, keys: np.ndarray, window: int) -> np.ndarray:
-    """[n_head_kv, n - window]: the mean over the last `window` queries of the softmax over the keys before
-    the window, the logits of each KV head's query group max-pooled first (compute_attention_scores).
+def window_attention(logits: np.ndarray, n_head_kv: int, window: int) -> np.ndarray:
+    """[n_head_kv, n - window]: the mean over the window queries of the softmax over the keys before the
+    window, each KV head's query-group logits max-pooled first (compute_attention_scores, pooling="max").
 
-    queries [n_head_q, window, d] (post-RoPE), keys [n_head_kv, n, d] (post-RoPE)."""
-    n_head_q, _, d = queries.shape
-    n_head_kv = keys.shape[0]
-    group = n_head_q // n_head_kv
+    logits [n_head_q, window, n]: q.k / sqrt(head_dim) of the last `window` queries, keys in position order."""
+    group = logits.shape[0] // n_head_kv
     out = []
     for h in range(n_head_kv):
-        logits = np.stack([queries[h * group + g] @ keys[h].T for g in range(group)]) / np.sqrt(d)
-        pooled = logits.max(axis=0)[:, :-window]  # [window, n - window]
+        pooled = logits[h * group:(h + 1) * group].max(axis=0)[:, :-window]  # [window, n - window]
         p = np.exp(pooled - pooled.max(axis=1, keepdims=True))
         out.append((p / p.sum(axis=1, keepdims=True)).mean(axis=0))
     return np.stack(out)

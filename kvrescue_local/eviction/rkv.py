@@ -30,7 +30,7 @@ from .base import EvictionInputs, Policy, max_pool, register
 
 def redundancy(keys: np.ndarray, similar: float = 0.5) -> np.ndarray:
     """[..., n] redundancy of keys [..., n, d]: R-KV's softmaxed mean similarity, newest copy spared."""
-    k = keys.astype(np.float64)
+    k = keys.astype(np.float32)  # half the time of float64 for the n x n products of every layer and head
     k /= np.linalg.norm(k, axis=-1, keepdims=True) + 1e-8
     sim = k @ np.swapaxes(k, -1, -2)
     n = sim.shape[-1]
@@ -38,7 +38,7 @@ def redundancy(keys: np.ndarray, similar: float = 0.5) -> np.ndarray:
     above = sim > similar
     newest = np.where(above.any(axis=-1), n - 1 - np.argmax(above[..., ::-1], axis=-1), 0)
     np.put_along_axis(sim, newest[..., None], 0.0, axis=-1)
-    mean = sim.mean(axis=-2)
+    mean = sim.mean(axis=-2, dtype=np.float64)
     e = np.exp(mean - mean.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 

@@ -15,7 +15,7 @@ import ctypes
 import numpy as np
 
 from ..errors import KVRescueError
-from .context import Context
+from .context import Context, ContextParams
 from .lib import llama, patched
 
 _F32P = ctypes.POINTER(ctypes.c_float)
@@ -125,3 +125,67 @@ def key_rows(ctx: Context, layer: int, cells) -> np.ndarray:
     if n != len(cells):
         raise KVRescueError(f"llama_kvr_k_rows failed with status {n}")
     return out
+
+
+class _GGMLTensor(ctypes.Structure):
+    """The head of struct ggml_tensor (ggml.h of the pinned llama.cpp) up to the fields read here."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+_GGML_TYPE_F32 = 0
+
+
+class GraphCapture:
+    """Copies named F32 tensors of each llama_decode's graph through llama.cpp's cb_eval (CPU backend, where
+    tensor data is host memory; flash attention off for `kq-<il>` and `kq_soft_max-<il>`): the reference
+    the patch's scores are tested against, and the per-head logits bench/rkv_overlap.py feeds R-KV's rule.
+    `tensors[name]` is [ne3][ne2, ne1, ne0] squeezed of ne3, e.g. [n_head, n_tokens, n_kv] for kq-<il>."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
+        self.enabled = True
+        self.tensors: dict[str, np.ndarray] = {}
+        self.callback = llama().ggml_backend_sched_eval_callback(self._on_tensor)
+
+    def _on_tensor(self, t, ask, user_data):
+        tensor = ctypes.cast(t, ctypes.POINTER(_GGMLTensor)).contents
+        name = tensor.name.decode()
+        wanted = self.enabled and name.startswith(self.prefixes)
+        if ask:
+            return wanted
+        if wanted:
+            ne = list(tensor.ne)
+            if tensor.type != _GGML_TYPE_F32 or tensor.nb[1] != 4 * ne[0] or tensor.nb[2] != tensor.nb[1] * ne[1]:
+                raise KVRescueError(f"graph tensor {name} is not a contiguous F32 tensor: capture another one")
+            data = ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float))
+            self.tensors[name] = np.ctypeslib.as_array(data, shape=(ne[3], ne[2], ne[1], ne[0]))[0].copy()
+        return True
+
+    def context(self, model, params: ContextParams) -> Context:
+        """A Context whose llama_context_params carry this capture's cb_eval (fixed at creation)."""
+        low = llama()
+        original = low.llama_init_from_model
+
+        def init_with_callback(model_handle, cparams):
+            cparams.cb_eval = self.callback
+            cparams.cb_eval_user_data = None
+            return original(model_handle, cparams)
+
+        low.llama_init_from_model = init_with_callback
+        try:
+            return Context(model, params)
+        finally:
+            low.llama_init_from_model = original

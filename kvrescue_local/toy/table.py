@@ -1,8 +1,8 @@
 """The paper's Table 2 in miniature, on the toy preset: every mode, three KV budgets, N = 1 and 8.
 
 Budgets are scaled to the task (a prompt of ~80 byte tokens, a solution of ~50-150): the base keeps
-`budget` entries chosen by R-KV (the project's default policy: 4 sinks, the 8 newest, the rest by
-attention minus redundancy), evicting back to it each time `BUFFER` more arrive, so at 48 it has
+`budget` entries chosen by R-KV (the project's default policy: the 8 newest, the rest by attention
+minus redundancy), evicting back to it each time `BUFFER` more arrive, so at 48 it has
 lost most of the prompt before it writes its first step. The trajectory cap is MAX_TOKENS committed
 tokens (twice a long solution) or MAX_STEPS steps; a trajectory is *degenerate* when it is wrong and
 hit one of these caps (the paper: wrong with >= 256 committed steps, for solutions of ~27).
@@ -58,7 +58,7 @@ def detector_params(preset) -> DetectorParams:
 
 
 def toy_config(row: Row, seed: int = 0, detector: DetectorParams = TOY_DETECTOR, policy: str = POLICY) -> RescueConfig:
-    kv = KVBudget(budget=row.budget or BUDGETS[0], buffer=BUFFER, n_sink=4, window=8, policy=policy)
+    kv = KVBudget(budget=row.budget or BUDGETS[0], buffer=BUFFER, window=8, policy=policy)
     return RescueConfig(mode=row.mode, n=row.n, kv=kv, detector=detector, max_tokens=MAX_TOKENS,
                         max_steps=MAX_STEPS, max_step_tokens=MAX_STEP_TOKENS, seed=seed, prompt=TOY_PROMPT,
                         temperature=1.0, top_p=1.0)
