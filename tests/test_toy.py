@@ -183,19 +183,20 @@ def test_toy_table_command(toy):
 
 
 def test_eviction_takes_the_shipped_base_off_the_question(toy):
-    """The information gap is real, and the evicted base degenerates: at the smallest budget R-KV
-    leaves it a few ledger entries but not its place in the question, so it looks up wrong terms
-    and runs past the last one, some trajectories to the length cap (full KV stops in time)."""
+    """The information gap is real: at the smallest budget R-KV leaves the evicted base a few ledger
+    entries but not its place in the question, so it looks up other terms than the question's, more
+    or fewer of them (full KV looks up each term once)."""
     from kvrescue_local.rescue import Rescue
-    from kvrescue_local.toy.table import BUDGETS, CAPS, EVAL_SEED, Row, toy_config
+    from kvrescue_local.toy.table import BUDGETS, EVAL_SEED, Row, toy_config
 
     probs = problems(EVAL_SEED + 100, 16)
     evicted = Rescue(toy_config(Row("bon", 1, BUDGETS[0])), Model(toy.base), None, None)
     records = [evicted.solve(p.text).record() for p in probs]
     assert sum(grade(p, r["answer"]) for p, r in zip(probs, records)) <= 3
     terms = sum(len(p.terms) for p in probs)
-    assert sum(len(LOOKUP.findall(r["text"])) for r in records) >= 1.3 * terms
-    assert any(r["stop"] in CAPS for r in records)
+    miscounted = sum(abs(len(LOOKUP.findall(r["text"])) - len(p.terms)) for p, r in zip(probs, records))
+    assert miscounted >= 0.2 * terms
+    assert all(r["evictions"]["fallback_evictions"] == 0 for r in records)
     full = Rescue(toy_config(Row("full", 1)), Model(toy.base), None, None)
     assert sum(len(LOOKUP.findall(full.solve(p.text).record()["text"])) for p in probs) == terms
 
