@@ -92,6 +92,7 @@ def test_scores_match_the_softmax_of_llama_cpp_across_decodes_and_eviction(base_
     assert (reused < len(prompt)).any(), "the test expects freed cells to be reused"
     decode_and_track(ctx, ref, capture, list(b" is 42.\n\n"), np.zeros(9))
 
+    assert not capture.skipped
     for il in range(base_model.n_layer):
         assert relative_error(cell_scores(ctx, 0, il), ref.scores[il, 0]) <= 1e-5
     assert relative_error(cell_scores(ctx, 0), ref.scores[:, 0].sum(axis=0)) <= 1e-5
@@ -207,6 +208,7 @@ def test_key_rows_are_the_post_rope_keys(base_model):
     for il in range(base_model.n_layer):
         rows = key_rows(ctx, il, cells[pick])
         assert rows.shape == (len(pick), width)
+        assert not capture.skipped
         kcur = capture.tensors[f"Kcur-{il}"]  # [n_tokens, n_head_kv, head_dim]
         expected = kcur.reshape(len(prompt), width)[pos[pick]]
         np.testing.assert_allclose(rows, expected, rtol=0, atol=1e-6)

@@ -54,8 +54,7 @@ def parse_option(cls: type[Policy], name: str, key: str, text: str):
     if key not in fields:
         known = ", ".join(fields) or "none"
         raise KVRescueError(f"policy {name} has no option {key!r}: its options are {known}")
-    kind = fields[key].type
-    kind = {"float": float, "int": int, "str": str}.get(kind, kind) if isinstance(kind, str) else kind
+    kind = type(fields[key].default)  # every option has a default of its type
     try:
         return kind(text)
     except ValueError:

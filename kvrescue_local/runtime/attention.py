@@ -152,12 +152,14 @@ class GraphCapture:
     """Copies named F32 tensors of each llama_decode's graph through llama.cpp's cb_eval (CPU backend, where
     tensor data is host memory; flash attention off for `kq-<il>` and `kq_soft_max-<il>`): the reference
     the patch's scores are tested against, and the per-head logits bench/rkv_overlap.py feeds R-KV's rule.
-    `tensors[name]` is [ne3][ne2, ne1, ne0] squeezed of ne3, e.g. [n_head, n_tokens, n_kv] for kq-<il>."""
+    `tensors[name]` is [ne3][ne2, ne1, ne0] squeezed of ne3, e.g. [n_head, n_tokens, n_kv] for kq-<il>;
+    wanted tensors that are not contiguous F32 are named in `skipped` (an exception cannot leave cb_eval)."""
 
     def __init__(self, prefixes: tuple[str, ...]) -> None:
         self.prefixes = prefixes
         self.enabled = True
         self.tensors: dict[str, np.ndarray] = {}
+        self.skipped: set[str] = set()
         self.callback = llama().ggml_backend_sched_eval_callback(self._on_tensor)
 
     def _on_tensor(self, t, ask, user_data):
@@ -169,7 +171,8 @@ class GraphCapture:
         if wanted:
             ne = list(tensor.ne)
             if tensor.type != _GGML_TYPE_F32 or tensor.nb[1] != 4 * ne[0] or tensor.nb[2] != tensor.nb[1] * ne[1]:
-                raise KVRescueError(f"graph tensor {name} is not a contiguous F32 tensor: capture another one")
+                self.skipped.add(name)
+                return True
             data = ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float))
             self.tensors[name] = np.ctypeslib.as_array(data, shape=(ne[3], ne[2], ne[1], ne[0]))[0].copy()
         return True
