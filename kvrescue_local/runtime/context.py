@@ -37,7 +37,7 @@ def default_threads() -> int:
 def physical_cores() -> int:
     """Cores this process may run on, hyper-threads of one core counted once.
 
-    Why not all of them: llama.cpp's threads spin-wait for each other at every barrier of a graph, so when
+    Why not all of them: llama.cpp's threads busy-wait for each other at every barrier of a graph, so when
     one core is taken by another process, every decode waits on a descheduled thread (10-1000x slower,
     bench/contention_perf.py). One core left free absorbs a competing process at a small cost when idle."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
