@@ -14,8 +14,8 @@ def check_problem(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise KVRescueError(f"{where} holds bytes that are not UTF-8 (at character {exc.start}): pass UTF-8 text "
-                            "(convert the file, e.g. with iconv)") from None
+        raise KVRescueError(f"{where} holds bytes that are not UTF-8 (at character {exc.start}): pass the problem "
+                            "as UTF-8 text (convert it, e.g. with iconv)") from None
     return text
 
 
