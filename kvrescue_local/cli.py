@@ -15,6 +15,7 @@ import numpy as np
 
 from .errors import KVRescueError
 from .eviction import POLICY_HELP, KVBudget
+from .files import check_writable, os_error_message, read_utf8
 from .options import open_models, search_options, template_config
 
 
@@ -26,6 +27,8 @@ class ProjectErrorsAsOneLine(click.Group):
             return super().invoke(ctx)
         except KVRescueError as exc:
             raise click.ClickException(str(exc)) from None
+        except OSError as exc:  # a full disk or a vanished folder mid-run: one line, no chained traceback
+            raise click.ClickException(os_error_message(exc)) from None
 
 
 def package_version(name: str) -> str:
@@ -127,13 +130,18 @@ def one_line(text: str, width: int = 100) -> str:
 def solve(problem, problem_file, mode, n, budget, policy, json_path, **options) -> None:
     """Solve one PROBLEM step by step, showing each committed step as it lands."""
     from .rescue import Rescue, longest_prompt
+    from .rescue.limits import check_problem, check_prompts_fit
 
     if (problem is None) == (problem_file is None):
         raise click.UsageError("give the problem as an argument or with --file, not both")
-    text = problem if problem is not None else problem_file.read_text()
+    if json_path:
+        check_writable(json_path, "--json")
+    text = check_problem(problem, "the PROBLEM argument") if problem is not None else \
+        check_problem(read_utf8(problem_file, "--file"), f"--file {problem_file}")
     config = template_config(mode, n, budget, policy, options)
     base_model, helper_model, scorer = open_models(options, config.uses_base, config.uses_helper,
                                                    config.candidates_per_round, [text])
+    check_prompts_fit(config, [base_model, helper_model], {"the problem": text})
     engine = Rescue(config, base_model, helper_model, scorer,
                     prompt_tokens_max=longest_prompt(config, [base_model, helper_model], [text]))
 

@@ -29,7 +29,7 @@ SEARCH_OPTIONS = [
     click.option("--seed", "-s", type=int, default=0, show_default=True),
     click.option("--n-gpu-layers", "-ngl", type=int, default=0, show_default=True),
     click.option("--threads", "-t", type=int, default=0, show_default=True,
-                 help="llama.cpp threads (0: all cores; use fewer when other work shares the cores)"),
+                 help="llama.cpp threads (0: physical cores - 1, or KVRESCUE_THREADS; one core stays free for other work)"),
     click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), default="off", show_default=True),
     click.option("--max-tokens", type=int, default=4096, show_default=True, help="trajectory length cap"),
     click.option("--max-steps", type=int, default=512, show_default=True),

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvrescue_local.bench.datasets import HUB, load_problems
 from kvrescue_local.bench.grade import is_correct
-from kvrescue_local.bench.run import read_results
+from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.rescue import last_boxed
@@ -83,13 +83,13 @@ def test_killed_sweep_resumes_without_duplicates_or_gaps(base_path, helper_path,
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # a crash, not a polite stop
     proc.wait()
-    partial = len(read_results(results))
+    partial = len(read_rows(results))
     assert 5 <= partial < 40
     again = CliRunner().invoke(main, args)
     assert again.exit_code != 0 and "--resume" in again.output
     resumed = CliRunner().invoke(main, args + ["--resume"])
     assert resumed.exit_code == 0, resumed.output
-    rows = read_results(results)
+    rows = read_rows(results)
     keys = [(r["dataset"], r["id"], r["config_key"]) for r in rows]
     assert len(keys) == len(set(keys)) == 40
     assert {r["config_key"] for r in rows} == {"full-b0-n2-none", "kvrescue-b32-n2-rkv"}
@@ -117,7 +117,7 @@ def test_shards_merge_into_the_full_sweep(base_path, helper_path, tiny_prm_path,
     merged = tmp_path / "merged.jsonl"
     result = CliRunner().invoke(main, ["bench", "merge", *map(str, shards + shards[:1]), "--out", str(merged)])
     assert result.exit_code == 0 and "10 results" in result.output
-    keys = {(r["id"], r["config_key"]) for r in read_results(merged)}
+    keys = {(r["id"], r["config_key"]) for r in read_rows(merged)}
     assert len(keys) == 10
     bad = CliRunner().invoke(main, bench_args(base_path, helper_path, tiny_prm_path, tmp_path / "x.jsonl",
                                               "--shard", "2/2"))

@@ -353,6 +353,9 @@ def test_report_command(runs, tmp_path):
     assert (tmp_path / "view" / "t.html").read_text().startswith("<!DOCTYPE html>")
     default = invoke("report", results, "--html", traj)
     assert default.exit_code == 0 and (tmp_path / "trajectory.html").exists()
+    alone = invoke("report", "--html", traj, "--out", tmp_path / "alone.html")  # no RESULTS needed for a page
+    assert alone.exit_code == 0 and "Table 2" not in alone.output, alone.output
+    assert (tmp_path / "alone.html").read_text().startswith("<!DOCTYPE html>")
     if _has_matplotlib():
         plotted = invoke("report", results, "--plots", tmp_path / "plots")
         assert plotted.exit_code == 0 and "3 plots written" in plotted.output, plotted.output
@@ -409,6 +412,7 @@ def test_bad_input_errors(tmp_path):
     assert_one_line_error(invoke("report", tmp_path / "bin.jsonl"), "not UTF-8")
     results = write_jsonl(tmp_path / "ok.jsonl", SYNTHETIC)
     assert_one_line_error(invoke("report", results, "--out", tmp_path / "x.html"), "--out", "--html")
+    assert_one_line_error(invoke("report"), "pass a RESULTS .jsonl file")
     (tmp_path / "t.json").write_text('{"problem": "x"}')
     assert_one_line_error(invoke("report", results, "--html", tmp_path / "t.json"), "not a trajectory record",
                           "solve --json")

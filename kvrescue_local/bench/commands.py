@@ -7,9 +7,11 @@ from pathlib import Path
 import click
 
 from ..errors import KVRescueError
+from ..files import check_writable
 from ..eviction import POLICIES
 from ..options import open_models, search_options, template_config
 from ..rescue import MODES
+from ..rescue.limits import check_prompts_fit
 from .datasets import DATASET_NAMES, load_problems
 from .run import Models, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 
@@ -50,17 +52,18 @@ def bench() -> None:
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
 def run_command(dataset, data, limit, modes, budgets, ns, policies, results, resume, shard, offline, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
+    shard_index, shard_count = parse_shard(shard)
+    check_writable(results, "--results")
     label, problems = load_problems(None if data else dataset, data, limit, offline=offline or None)
     axes = sweep_axes(name_list(modes, MODES, "mode"), int_list(budgets), int_list(ns),
                       name_list(policies, POLICIES, "policy"))
     template = template_config("kvrescue", 1, max(int_list(budgets)), "streaming", options)
-    for axis in axes:
-        rescue_config(axis, template)  # refuses a bad budget or policy before any model is loaded
+    # refuses a bad budget, policy or N before any model is loaded
+    candidates = max(rescue_config(axis, template).candidates_per_round for axis in axes)
     needs_base = any(a.mode != "helper" for a in axes)
     needs_helper = any(a.mode in ("helper", "kvrescue") for a in axes)
-    base, helper, prm = open_models(options, needs_base, needs_helper, 2 * max(a.n for a in axes),
-                                    [p.problem for p in problems])
-    shard_index, shard_count = parse_shard(shard)
+    base, helper, prm = open_models(options, needs_base, needs_helper, candidates, [p.problem for p in problems])
+    check_prompts_fit(template, [base, helper], {f"{label} problem {p.id}": p.problem for p in problems})
     total = len(range(shard_index, len(axes) * len(problems), shard_count))
     tally = {"done": 0, "correct": 0}
 
@@ -75,7 +78,10 @@ def run_command(dataset, data, limit, modes, budgets, ns, policies, results, res
 
         try:
             written = run_sweep(label, problems, axes, template, Models(base, helper, prm), results, resume,
-                                (shard_index, shard_count), on_result=on_result, on_skip=bar.update)
+                                (shard_index, shard_count), on_result=on_result, on_skip=bar.update,
+                                on_cut=lambda cut: click.echo(f"\ncut a partial last line ({cut} bytes, a crash "
+                                                              f"mid-write) from {results}; its problem runs again",
+                                                              err=True))
         except KeyboardInterrupt:
             click.echo(f"\ninterrupted: {tally['done']} results kept in {results}; continue with --resume", err=True)
             raise SystemExit(130)
@@ -87,4 +93,5 @@ def run_command(dataset, data, limit, modes, budgets, ns, policies, results, res
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
 def merge_command(inputs, out) -> None:
     """Merge shard result files into one, without duplicates."""
+    check_writable(out, "--out")
     click.echo(f"{merge_results(list(inputs), out)} results in {out}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import KVRescueError
+from ..rescue.limits import check_problem
 
 DATA_DIR = Path(__file__).parent / "data"
 VENDORED = {"math500": DATA_DIR / "math500.jsonl", "gsm8k": DATA_DIR / "gsm8k.jsonl"}
@@ -51,6 +52,7 @@ def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "
             if not isinstance(row, dict) or missing:
                 raise KVRescueError(f"{path}:{number}: the row has no {' or '.join(repr(m) for m in missing)} field; "
                                     f"each line needs {{\"id\", \"{problem_field}\", \"{answer_field}\"}}")
+            check_problem(str(row[problem_field]), f"{path}:{number}: the {problem_field!r} field")
             answer = row[answer_field]
             if isinstance(answer, list):  # OlympiadBench stores a list of final answers
                 answer = answer[0] if answer else ""

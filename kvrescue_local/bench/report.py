@@ -1,6 +1,6 @@
 """The paper's tables from a results JSONL file (one line per problem × configuration).
 
-Table 2 (ablation), one row per configuration (dataset, mode, budget, N, policy; seeds pooled):
+Table 2 (ablation), one row per configuration (dataset, mode, budget, N, policy, setup; seeds pooled):
   problems, pass@1 %, degeneration rate % (degenerate among the incorrect trajectories), mean base
   tokens per problem (all base candidates, killed ones included), mean committed steps, early-exit %
   (killed / all base candidates, pooled over problems), mean helper tokens, problems per minute
@@ -12,16 +12,22 @@ Table 1 (decode cost), per configuration: mean seconds per problem inside llama.
   (tokens generated / seconds inside llama.cpp for that model).
 
 `full` and `helper` do not evict: their budget and policy are shown as "-" and ignored when grouping.
+A setup is what a row records beyond its axes (model files, prompt template, settings; see results_file.py):
+rows of one configuration with different setups (seeds aside) are never pooled unless asked (pool_setups);
+they become rows of their own with a setup column, and the notes name what differs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KVRescueError
+from .results_file import differences
 
 REQUIRED = ("config", "correct", "n_steps", "tokens", "timings")
 REQUIRED_CONFIG = ("mode", "n")
@@ -100,29 +106,43 @@ class ConfigKey:
     n: int
     policy: str | None
     mode: str
+    setup: str = ""  # setup_label of its rows; "" when setups are pooled
 
     @property
     def label(self) -> str:
         return f"{self.mode} b{self.budget if self.budget is not None else '-'} n{self.n} {self.policy or '-'}"
 
 
-def config_key(row: dict) -> ConfigKey:
+UNRECORDED = "unrecorded"  # rows written before setups were recorded
+
+
+def setup_label(row: dict) -> str:
+    """A short id of the row's setup, seeds aside (the report pools seeds)."""
+    setup = row.get("setup")
+    if setup is None:
+        return UNRECORDED
+    without_seed = {**setup, "settings": {k: v for k, v in setup["settings"].items() if k != "seed"}}
+    return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
+
+
+def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
     cfg = row["config"]
     mode = str(cfg["mode"])
     evicts = mode in EVICTING
     budget = cfg.get("budget", (cfg.get("kv") or {}).get("budget")) if evicts else None
     policy = cfg.get("policy", (cfg.get("kv") or {}).get("policy")) if evicts else None
     return ConfigKey(str(row.get("dataset", "")), MODE_ORDER.get(mode, 9), None if budget is None else int(budget),
-                     int(cfg["n"]), None if policy is None else str(policy), mode)
+                     int(cfg["n"]), None if policy is None else str(policy), mode,
+                     "" if pool_setups else setup_label(row))
 
 
-def group_rows(rows: list[dict]) -> dict[ConfigKey, list[dict]]:
+def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, list[dict]]:
     groups: dict[ConfigKey, list[dict]] = {}
     for row in rows:
-        groups.setdefault(config_key(row), []).append(row)
+        groups.setdefault(config_key(row, pool_setups), []).append(row)
     def order(item):
         k = item[0]
-        return (k.dataset, k.mode_rank, k.mode, -1 if k.budget is None else k.budget, k.n, k.policy or "")
+        return (k.dataset, k.mode_rank, k.mode, -1 if k.budget is None else k.budget, k.n, k.policy or "", k.setup)
 
     return dict(sorted(groups.items(), key=order))
 
@@ -160,6 +180,7 @@ class Summary:
     helper_tok_s: float | None
     steps_from: dict = field(default_factory=dict)  # committed steps per source, summed
     recovered: float | None = None  # %, kvrescue rows with matching full and bon rows
+    setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
 
     @property
     def uses_base(self) -> bool:
@@ -199,7 +220,7 @@ def summarize(key: ConfigKey, rows: list[dict]) -> Summary:
         orchestration_s=_mean(timing(r, "orchestration") for r in rows), total_s=total_time / n,
         base_tok_s=base_tokens / base_llama if base_llama > 0 else None,
         helper_tok_s=helper_tokens / helper_llama if helper_llama > 0 else None,
-        steps_from=steps_from)
+        steps_from=steps_from, setup=rows[0].get("setup") if key.setup else None)
 
 
 def accuracy_recovered(kvrescue: float, bon: float, full: float) -> float | None:
@@ -209,18 +230,45 @@ def accuracy_recovered(kvrescue: float, bon: float, full: float) -> float | None
     return 100.0 * (kvrescue - bon) / (full - bon)
 
 
-def summaries(rows: list[dict]) -> list[Summary]:
-    out = [summarize(key, group) for key, group in group_rows(rows).items()]
-    full = {(s.key.dataset, s.key.n): s for s in out if s.key.mode == "full"}
-    bon = {(s.key.dataset, s.key.budget, s.key.n, s.key.policy): s for s in out if s.key.mode == "bon"}
+def same_setup(a: Summary, b: Summary) -> bool:
+    """Comparable: pooled, or the same settings and prompt and the same file for each model both used."""
+    if a.setup is None or b.setup is None:
+        return a.key.setup == b.key.setup
+    return not differences(a.setup, b.setup, ignore=("seed",))
+
+
+def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
+    out = [summarize(key, group) for key, group in group_rows(rows, pool_setups).items()]
+
+    def reference(mode: str, s: Summary, *axes: str) -> Summary | None:
+        return next((r for r in out if r.key.mode == mode and r.key.dataset == s.key.dataset and
+                     all(getattr(r.key, a) == getattr(s.key, a) for a in axes) and same_setup(r, s)), None)
+
     for s in out:
         if s.key.mode != "kvrescue":
             continue
-        f = full.get((s.key.dataset, s.key.n))
-        b = bon.get((s.key.dataset, s.key.budget, s.key.n, s.key.policy))
+        f = reference("full", s, "n")
+        b = reference("bon", s, "budget", "n", "policy")
         if f and b:
             s.recovered = accuracy_recovered(s.pass1, b.pass1, f.pass1)
     return out
+
+
+def setup_notes(items: list[Summary]) -> list[str]:
+    """When one configuration holds several setups: what each differs in from the first."""
+    keys = [dataclasses.replace(s.key, setup="") for s in items]
+    if len(set(keys)) == len(keys):
+        return []
+    first: dict[str, dict] = {}
+    for s in items:
+        first.setdefault(s.key.setup, s.setup or {})
+    labels = list(first)
+    notes = [f"setups (model files, prompt template, settings; seeds aside) differ: {labels[0]} is the first"]
+    for label in labels[1:]:
+        theirs = first[label]
+        diff = differences(first[labels[0]], theirs, ignore=("seed",)) if theirs and first[labels[0]] else []
+        notes.append(f"{label} vs {labels[0]}: {'; '.join(diff) or 'setup not recorded in one of them'}")
+    return notes
 
 
 # --- rendering -----------------------------------------------------------------------------------
@@ -262,28 +310,32 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def _config_cells(s: Summary, with_dataset: bool) -> list[str]:
+def _config_cells(s: Summary, with_dataset: bool, with_setup: bool) -> list[str]:
     cells = [s.key.dataset] if with_dataset else []
-    return cells + [s.key.mode, "-" if s.key.budget is None else str(s.key.budget), str(s.key.n), s.key.policy or "-"]
+    cells += [s.key.mode, "-" if s.key.budget is None else str(s.key.budget), str(s.key.n), s.key.policy or "-"]
+    return cells + ([s.key.setup] if with_setup else [])
 
 
-def _config_headers(with_dataset: bool) -> list[str]:
-    return (["dataset"] if with_dataset else []) + ["mode", "budget", "N", "policy"]
+def _config_headers(with_dataset: bool, with_setup: bool) -> list[str]:
+    return (["dataset"] if with_dataset else []) + ["mode", "budget", "N", "policy"] + (["setup"] if with_setup else [])
 
 
 def table2(items: list[Summary]) -> Table:
     with_dataset = len({s.key.dataset for s in items}) > 1
-    headers = _config_headers(with_dataset) + ["problems", "pass@1 %", "degen %", "base tok", "steps", "early exit %",
-                                               "helper tok", "prob/min", "PRM s", "recovered %"]
+    notes = setup_notes(items)
+    with_setup = bool(notes)
+    headers = _config_headers(with_dataset, with_setup) + ["problems", "pass@1 %", "degen %", "base tok", "steps",
+                                                           "early exit %", "helper tok", "prob/min", "PRM s",
+                                                           "recovered %"]
     rows = []
     for s in items:
-        rows.append(_config_cells(s, with_dataset) + [
+        rows.append(_config_cells(s, with_dataset, with_setup) + [
             str(s.problems), fmt(s.pass1), fmt(s.degeneration),
             fmt(s.base_tokens, 0) if s.uses_base else "-", fmt(s.steps), fmt(s.early_exit),
             fmt(s.helper_tokens, 0) if s.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
             fmt(s.recovered)])
-    align = ["l"] * len(_config_headers(with_dataset)) + ["r"] * 10
-    notes = ["degen %: degenerate among incorrect trajectories; early exit %: killed / all base candidates; "
+    align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 10
+    notes += ["degen %: degenerate among incorrect trajectories; early exit %: killed / all base candidates; "
              "recovered %: (kvrescue - bon) / (full - bon) pass@1 at the same budget and N; tokens and seconds are "
              "means per problem; prob/min = problems / summed wall time."]
     return Table("Table 2: ablation", headers, rows, align, notes)
@@ -291,23 +343,25 @@ def table2(items: list[Summary]) -> Table:
 
 def table1(items: list[Summary]) -> Table:
     with_dataset = len({s.key.dataset for s in items}) > 1
-    headers = _config_headers(with_dataset) + ["problems", "llama base s", "llama helper s", "PRM s", "orch s",
-                                               "total s", "base tok/s", "helper tok/s"]
+    notes = setup_notes(items)
+    with_setup = bool(notes)
+    headers = _config_headers(with_dataset, with_setup) + ["problems", "llama base s", "llama helper s", "PRM s",
+                                                           "orch s", "total s", "base tok/s", "helper tok/s"]
     rows = []
     for s in items:
-        rows.append(_config_cells(s, with_dataset) + [
+        rows.append(_config_cells(s, with_dataset, with_setup) + [
             str(s.problems), fmt(s.llama_base_s, 3) if s.uses_base else "-",
             fmt(s.llama_helper_s, 3) if s.uses_helper else "-", fmt(s.prm_s, 3), fmt(s.orchestration_s, 3),
             fmt(s.total_s, 3), fmt(s.base_tok_s, 0) if s.uses_base else "-",
             fmt(s.helper_tok_s, 0) if s.uses_helper else "-"])
-    align = ["l"] * len(_config_headers(with_dataset)) + ["r"] * 8
-    notes = ["seconds are means per problem; tok/s = tokens generated / seconds inside llama.cpp for that model "
+    align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 8
+    notes += ["seconds are means per problem; tok/s = tokens generated / seconds inside llama.cpp for that model "
              "(killed candidates' tokens included)."]
     return Table("Table 1: decode cost", headers, rows, align, notes)
 
 
-def render(rows: list[dict], markdown: bool = False) -> str:
-    items = summaries(rows)
+def render(rows: list[dict], markdown: bool = False, pool_setups: bool = False) -> str:
+    items = summaries(rows, pool_setups)
     tables = [table2(items), table1(items)]
     return "\n\n".join(t.markdown() if markdown else t.text() for t in tables) + "\n"
 

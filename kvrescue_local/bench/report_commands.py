@@ -10,10 +10,11 @@ from pathlib import Path
 import click
 
 from ..errors import KVRescueError
+from ..files import check_writable
 
 
 @click.command("report")
-@click.argument("results", type=click.Path(path_type=Path))
+@click.argument("results", type=click.Path(path_type=Path), required=False)
 @click.option("--markdown", is_flag=True, help="GitHub markdown tables instead of aligned text")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="write the figures (pass@1 vs budget, step sources, detector histograms) as PNGs here")
@@ -21,15 +22,26 @@ from ..errors import KVRescueError
               help="also turn this trajectory (from `solve --json`) into a self-contained HTML page")
 @click.option("--out", "html_out", type=click.Path(dir_okay=False, path_type=Path),
               help="the HTML page to write (default: the trajectory's name with .html)")
-def report(results: Path, markdown: bool, plots_dir: Path | None, trajectory: Path | None,
-           html_out: Path | None) -> None:
-    """Table 2 (ablation) and Table 1 (decode cost) from a results JSONL file."""
+@click.option("--pool-setups", is_flag=True,
+              help="pool rows of one configuration made with different models, prompts or settings")
+def report(results: Path | None, markdown: bool, plots_dir: Path | None, trajectory: Path | None,
+           html_out: Path | None, pool_setups: bool) -> None:
+    """Table 2 (ablation) and Table 1 (decode cost) from a RESULTS JSONL file; --html alone needs no RESULTS.
+
+    Rows of one configuration made with different model files, prompt templates or settings (seeds aside)
+    are shown as separate rows, one per setup, unless --pool-setups pools them."""
     from .report import load_results, render
 
     if html_out is not None and trajectory is None:
         raise KVRescueError("--out names the HTML page of --html TRAJECTORY.json: pass both")
-    rows = load_results(results)
-    click.echo(render(rows, markdown=markdown), nl=False)
+    if results is None and (trajectory is None or plots_dir is not None):
+        raise KVRescueError("pass a RESULTS .jsonl file (from `bench run`) for the tables and plots; --html "
+                            "TRAJECTORY.json alone needs none")
+    if trajectory is not None:
+        check_writable(html_out or trajectory.with_suffix(".html"), "--out")
+    rows = load_results(results) if results is not None else []
+    if rows:
+        click.echo(render(rows, markdown=markdown, pool_setups=pool_setups), nl=False)
     if plots_dir is not None:
         from .plots import write_plots
 

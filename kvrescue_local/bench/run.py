@@ -20,12 +20,10 @@ from ..rescue import Rescue, RescueConfig, longest_prompt
 from ..runtime import Model
 from .datasets import Problem
 from .grade import is_correct
+from .results_file import check_same_setup, distinct_setups, read_rows, repair_tail, settings, setup, writing
 
 DEGENERATE_STEPS = 256  # the paper: an incorrect trajectory with at least this many committed steps
 LENGTH_CAPS = ("max_tokens", "max_steps")
-# settings that must be the same for every line of one results file (the sweep axes may differ)
-SHARED = ("buffer", "n_sink", "window", "protect_prompt", "tau_entropy", "tau_compression", "max_tokens",
-          "max_steps", "max_step_tokens", "temperature", "top_p", "seed")
 
 
 @dataclass(frozen=True)
@@ -57,18 +55,14 @@ def rescue_config(axis: Axis, template: RescueConfig) -> RescueConfig:
     return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv)
 
 
-def shared_settings(config: RescueConfig) -> dict:
-    flat = {**dataclasses.asdict(config.kv), **dataclasses.asdict(config.detector), **dataclasses.asdict(config)}
-    return {k: flat[k] for k in SHARED}
-
-
-def result_line(dataset: str, problem: Problem, axis: Axis, config: RescueConfig, record: dict) -> dict:
+def result_line(dataset: str, problem: Problem, axis: Axis, config: RescueConfig, record: dict,
+                row_setup: dict) -> dict:
     correct = is_correct(problem.answer, record["answer"])
     steps = record["steps"]
     base = [c for s in steps for c in s["candidates"] if c["side"] == "base"]
     return {
         "dataset": dataset, "id": problem.id, "config_key": axis.key,
-        "config": {**dataclasses.asdict(axis), **shared_settings(config)},
+        "config": {**dataclasses.asdict(axis), **settings(config)}, "setup": row_setup,
         "gold": problem.answer, "answer": record["answer"], "correct": correct, "stop": record["stop"],
         "degenerate": not correct and (record["n_steps"] >= DEGENERATE_STEPS or record["stop"] in LENGTH_CAPS),
         "n_steps": record["n_steps"],
@@ -78,33 +72,6 @@ def result_line(dataset: str, problem: Problem, axis: Axis, config: RescueConfig
         "detector": [c["detector"] for c in base if "detector" in c],
         "timings": record["timings"],
     }
-
-
-def read_results(path: Path) -> list[dict]:
-    """Lines of a results file; a truncated last line (a crash mid-write) is dropped, any other bad line refused."""
-    if not path.exists():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break
-            raise KVRescueError(f"{path}:{number} is not a results line: restore the file or start a new one") from None
-    return rows
-
-
-def check_same_settings(rows: list[dict], settings: dict, path: Path) -> None:
-    for row in rows:
-        theirs = {k: row["config"].get(k) for k in SHARED}
-        if theirs != settings:
-            diff = ", ".join(f"{k} {theirs[k]!r} vs {settings[k]!r}" for k in SHARED if theirs[k] != settings[k])
-            raise KVRescueError(f"{path} holds results of a different configuration ({diff}): resume with the same "
-                                "options or write to a new results file")
 
 
 def done_keys(rows: list[dict]) -> set[tuple[str, str, str]]:
@@ -129,60 +96,71 @@ class Models:
     helper: Model | None
     prm: PRM | None
 
+    def files(self) -> dict[str, Path | None]:
+        return {"base": self.base and self.base.path, "helper": self.helper and self.helper.path,
+                "prm": self.prm and self.prm.model.path}
+
 
 def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template: RescueConfig, models: Models,
               results: Path, resume: bool = False, shard: tuple[int, int] = (0, 1),
-              on_result: Callable[[dict], None] | None = None, on_skip: Callable[[int], None] | None = None) -> int:
-    """Run what is not done yet; returns the number of lines written."""
-    rows = read_results(results)
-    if rows and not resume:
-        raise KVRescueError(f"{results} already holds {len(rows)} results: pass --resume to continue it or choose a "
-                            "new file")
-    check_same_settings(rows, shared_settings(template), results)
-    done = done_keys(rows)
-    index, count = shard
-    tasks = [(axis, p) for axis in axes for p in problems][index::count]
-    todo = [(axis, p) for axis, p in tasks if (dataset, p.id, axis.key) not in done]
-    if on_skip:
-        on_skip(len(tasks) - len(todo))
-    results.parent.mkdir(parents=True, exist_ok=True)
-    written = 0
-    engines: dict[Axis, Rescue] = {}
-    prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for _, p in todo]) if todo else 0
-    with results.open("a", encoding="utf-8") as out:
-        for axis, problem in todo:
-            if axis not in engines:
-                engines.clear()  # one configuration's contexts at a time
-                engines[axis] = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
-                                       prompt_tokens_max=prompt_tokens)
-            engine = engines[axis]
-            record = engine.solve(problem.problem).record()
-            line = result_line(dataset, problem, axis, engine.config, record)
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-            written += 1
-            if on_result:
-                on_result(line)
+              on_result: Callable[[dict], None] | None = None, on_skip: Callable[[int], None] | None = None,
+              on_cut: Callable[[int], None] | None = None) -> int:
+    """Run what is not done yet; returns the number of lines written. on_cut hears of a partial last line cut
+    off (bytes) before resuming."""
+    with writing(results):
+        cut = repair_tail(results)
+        if cut and on_cut:
+            on_cut(cut)
+        rows = read_rows(results)
+        if rows and not resume:
+            raise KVRescueError(f"{results} already holds {len(rows)} results: pass --resume to continue it or "
+                                "choose a new file")
+        setups = {axis: setup(rescue_config(axis, template), models.files()) for axis in axes}
+        every_model = {role: f for s in setups.values() for role, f in s["models"].items()}
+        check_same_setup({**setups[axes[0]], "models": every_model}, distinct_setups(rows, results), results,
+                         "resume with the same models and options or write to a new results file")
+        done = done_keys(rows)
+        index, count = shard
+        tasks = [(axis, p) for axis in axes for p in problems][index::count]
+        todo = [(axis, p) for axis, p in tasks if (dataset, p.id, axis.key) not in done]
+        if on_skip:
+            on_skip(len(tasks) - len(todo))
+        written = 0
+        engines: dict[Axis, Rescue] = {}
+        prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for _, p in todo]) if todo else 0
+        with results.open("a", encoding="utf-8") as out:
+            for axis, problem in todo:
+                if axis not in engines:
+                    engines.clear()  # one configuration's contexts at a time
+                    engines[axis] = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
+                                           prompt_tokens_max=prompt_tokens)
+                engine = engines[axis]
+                record = engine.solve(problem.problem).record()
+                line = result_line(dataset, problem, axis, engine.config, record, setups[axis])
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+                written += 1
+                if on_result:
+                    on_result(line)
     return written
 
 
 def merge_results(inputs: list[Path], output: Path) -> int:
-    """Union of shard files without duplicates; refuses files of different configurations."""
+    """Union of shard files without duplicates; refuses rows of different models or settings."""
     merged: dict[tuple[str, str, str], dict] = {}
-    settings = None
+    setups: list[dict] = []
     for path in inputs:
         if not path.exists():
             raise KVRescueError(f"results file not found: {path}")
-        rows = read_results(path)
-        if rows and settings is None:
-            settings = {k: rows[0]["config"].get(k) for k in SHARED}
-        check_same_settings(rows, settings, path)
+        rows = read_rows(path)
+        for theirs in distinct_setups(rows, path):
+            check_same_setup(theirs, setups, path, "merge only shards of one sweep (same models and options)")
+            setups.append(theirs)
         for row in rows:
             merged.setdefault((row["dataset"], row["id"], row["config_key"]), row)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()), encoding="utf-8")
-    os.replace(tmp, output)
+    with writing(output):
+        tmp = output.with_name(f".{output.name}.tmp")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()), encoding="utf-8")
+        os.replace(tmp, output)
     return len(merged)
-

@@ -58,18 +58,28 @@ class SafeTensor:
 
 
 def read_safetensors_index(path: Path) -> dict[str, SafeTensor]:
-    with path.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    base = 8 + header_len
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise KVRescueError(f"{path.name}: tensor {name} has dtype {info['dtype']}; only F32, F16 and BF16 convert")
-        start, end = info["data_offsets"]
-        tensors[name] = SafeTensor(path, info["dtype"], tuple(info["shape"]), base + start, base + end)
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if 8 + header_len > size:
+                raise ValueError(f"its header claims {header_len} bytes")
+            header = json.loads(f.read(header_len))
+        base = 8 + header_len
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise KVRescueError(f"{path.name}: tensor {name} has dtype {info['dtype']}; only F32, F16 and BF16 "
+                                    "convert")
+            start, end = info["data_offsets"]
+            if not 0 <= start <= end <= size - base:
+                raise ValueError(f"tensor {name} lies outside the file")
+            tensors[name] = SafeTensor(path, info["dtype"], tuple(info["shape"]), base + start, base + end)
+    except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise KVRescueError(f"{path} is not a readable safetensors file ({type(exc).__name__}: {exc}): download "
+                            "the checkpoint again") from None
     return tensors
 
 
@@ -87,7 +97,13 @@ def read_checkpoint(src: Path) -> dict[str, SafeTensor]:
 def read_json(path: Path) -> dict:
     if not path.exists():
         raise KVRescueError(f"{path.name} is missing from {path.parent}: download the whole checkpoint directory")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise KVRescueError(f"{path} is not JSON ({type(exc).__name__}): download the checkpoint again") from None
+    if not isinstance(data, dict):
+        raise KVRescueError(f"{path} holds a JSON {type(data).__name__}, not an object: download the checkpoint again")
+    return data
 
 
 def read_vocab(src: Path, vocab_size: int) -> Vocab:
@@ -105,7 +121,7 @@ def read_vocab(src: Path, vocab_size: int) -> Vocab:
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
     token_types = [types.get(i, TOKEN_UNUSED) for i in range(size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    config = json.loads((src / "tokenizer_config.json").read_text()) if (src / "tokenizer_config.json").exists() else {}
+    config = read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").exists() else {}
     bos = config.get("bos_token") or "<|endoftext|>"
     eos = config.get("eos_token") or "<|im_end|>"
     for name, token in (("bos", bos), ("eos", eos)):
@@ -142,6 +158,11 @@ def convert_prm(src: str | Path, out: str | Path, dtype: str = "f16", quantize: 
     if quantize is not None and quantize not in QUANTIZATIONS:
         raise KVRescueError(f"unknown quantization {quantize!r}: use one of {', '.join(QUANTIZATIONS)}")
     config = read_json(src / "config.json")
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing_keys = [k for k in needed if not isinstance(config.get(k), int)]
+    if missing_keys:
+        raise KVRescueError(f"config.json of {src} has no integer {', '.join(missing_keys)}: it is not a Qwen2 "
+                            "checkpoint's config; download the checkpoint again")
     tensors = read_checkpoint(src)
     fmt = detect_format(config, tensors)
     missing = [n for layer in HEADS[fmt] for n in layer if n not in tensors]

@@ -9,6 +9,7 @@ from ..errors import KVRescueError
 from ..eviction import KVBudget
 
 MODES = ("full", "bon", "helper", "kvrescue")
+LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
 QWEN_MATH_COT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}."
                  "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n")
 
@@ -28,7 +29,7 @@ class RescueConfig:
     prompt: str = QWEN_MATH_COT
     n_gpu_layers: int = 0
     flash_attn: str = "off"  # llama.cpp's CPU flash attention is slow on multi-sequence batches
-    n_threads: int = 0  # llama.cpp threads; 0 = all cores (fewer when other work shares them)
+    n_threads: int = 0  # llama.cpp threads; 0 = physical cores - 1 (runtime.default_threads)
     n_batch: int = 512
     kv_type: str = "f16"
     helper_ctx: int = 0  # helper (and full-KV base) context; 0 = exactly what the limits need
@@ -38,6 +39,11 @@ class RescueConfig:
             raise KVRescueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.n < 1:
             raise KVRescueError(f"N must be at least 1 (got {self.n}): it is the number of candidates per model per round")
+        sides = int(self.uses_base) + int(self.uses_helper)
+        if self.candidates_per_round >= LLAMA_MAX_SEQ:
+            raise KVRescueError(f"N={self.n} does not fit: a llama.cpp context holds {LLAMA_MAX_SEQ} sequences, one "
+                                f"for the trajectory and {sides} x N for the candidates (the PRM scores them all at "
+                                f"once); the largest N in {self.mode} mode is {(LLAMA_MAX_SEQ - 1) // sides}")
         if self.max_step_tokens < 1 or self.max_tokens < 1 or self.max_steps < 1:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
         if "{problem}" not in self.prompt:

@@ -10,6 +10,7 @@ import ctypes
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -24,13 +25,29 @@ N_CTX_PAD = 256
 
 
 def default_threads() -> int:
-    """llama.cpp threads when none are asked for: KVRESCUE_THREADS if set, else every core."""
+    """llama.cpp threads when none are asked for: KVRESCUE_THREADS if set, else all physical cores but one."""
     value = os.environ.get("KVRESCUE_THREADS", "")
     if value:
         if not value.isdigit() or int(value) < 1:
             raise KVRescueError(f"KVRESCUE_THREADS={value!r} is not a positive thread count: set it to 1 or more, or unset it")
         return int(value)
-    return os.cpu_count() or 1
+    return max(1, physical_cores() - 1)
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, hyper-threads of one core counted once.
+
+    Why not all of them: llama.cpp's threads busy-wait for each other at every barrier of a graph, so when
+    one core is taken by another process, every decode waits on a descheduled thread (10-1000x slower,
+    bench/contention_perf.py). One core left free absorbs a competing process at a small cost when idle."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return len(cores) or 1
 
 
 @dataclass(frozen=True)
@@ -105,7 +122,7 @@ class Context:
         self.handle = low.llama_init_from_model(model.handle, cp)
         if not self.handle:
             raise KVRescueError(f"llama.cpp could not create a context (n_ctx={params.n_ctx}, n_seq_max={params.n_seq_max}): "
-                                "lower n_ctx or n_seq_max, or free memory")
+                                "lower N (-n) or --max-tokens, or free memory")
         self.memory = low.llama_get_memory(self.handle)
         self.n_ctx = low.llama_n_ctx(self.handle)
         self.n_seq_max = params.n_seq_max

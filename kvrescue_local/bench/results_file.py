@@ -1,0 +1,249 @@
+"""Results files you can trust: one writer at a time, a clean tail, and rows that say what produced them.
+
+- `writing(path)` holds an exclusive lock (flock on a sidecar `.NAME.lock` holding the writer's PID) for as
+  long as a sweep or a merge writes the file; a second writer is refused, naming that PID.
+- `repair_tail(path)` cuts a partial last line (a crash or a full disk mid-write) before anything is
+  appended, so the next row starts on a line of its own.
+- `setup(...)` is what a row records beyond its sweep axes: a fingerprint of each model file it used
+  (size + SHA-256 of the GGUF header and tensor index: cheap on multi-GiB files, yet any re-quantisation,
+  re-conversion or other model changes it), the prompt template's hash and every sampling, detector and
+  KV setting. `differences(a, b)` names what differs; resume and merge refuse rows that differ.
+
+Rows written before setups were recorded (no "setup" field) cannot be checked: `--resume` and `bench merge`
+refuse files holding them (start a new file), `report` still reads them as their own setup ("unrecorded").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import functools
+import hashlib
+import json
+import mmap
+import os
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import KVRescueError
+from ..prm import head_path
+from ..rescue import RescueConfig
+
+ROW_FIELDS = ("dataset", "id", "config_key", "config")
+# the sweep axes (recorded in "config") and settings that change speed, not results
+NOT_SETTINGS = ("mode", "n", "budget", "policy", "prompt", "n_gpu_layers", "n_threads", "flash_attn", "n_batch",
+                "helper_ctx", "kv", "detector")
+GGUF_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+
+
+# --- one writer, a clean tail ----------------------------------------------------------------------
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Hold the exclusive right to write path; refused (naming the holder's PID) while another process has it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = path.with_name(f".{path.name}.lock")
+    handle = lock.open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            handle.close()
+            raise
+        handle.seek(0)
+        holder = handle.read().strip()
+        handle.close()
+        raise KVRescueError(f"{path} is being written by another process (PID {holder or 'unknown'}): wait for it "
+                            "to finish or stop it, or write to another results file and `bench merge` them") from None
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock; the sidecar stays (removing it would race with the next writer)
+
+
+def repair_tail(path: Path) -> int:
+    """Make path end with a newline: a partial last line is cut off; returns the number of bytes cut."""
+    if not path.exists():
+        return 0
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        keep = last_line_start(f, size)
+        f.seek(keep)
+        tail = f.read()
+        if parse_row(tail) is not None:  # a whole row that only lost its newline
+            f.write(b"\n")
+            return 0
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+        return size - keep
+
+
+def last_line_start(f, size: int, block: int = 1 << 16) -> int:
+    end = size
+    while end > 0:
+        start = max(0, end - block)
+        f.seek(start)
+        newline = f.read(end - start).rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        end = start
+    return 0
+
+
+def parse_row(raw: bytes) -> dict | None:
+    try:
+        row = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return row if isinstance(row, dict) and all(k in row for k in ROW_FIELDS) else None
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Every row of a results file, each checked; a partial last line (a writer died mid-line) is left out."""
+    if not path.exists():
+        return []
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except IsADirectoryError:
+        raise KVRescueError(f"{path} is a directory: pass a results .jsonl file") from None
+    rows = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        row = parse_row(raw)
+        if row is None:
+            if number == len(lines):  # no newline after it: cut off mid-write
+                break
+            raise KVRescueError(f"{path}:{number} is not a results line (a results line is a JSON object with "
+                                f"{', '.join(ROW_FIELDS)}): remove that line or write to a new results file")
+        rows.append(row)
+    return rows
+
+
+# --- what produced a row ----------------------------------------------------------------------------
+
+def gguf_index_end(data) -> int:
+    """Offset just past a GGUF file's metadata and tensor index (where the tensor data begins, less padding)."""
+    if data[:4] != b"GGUF":
+        raise KVRescueError("not a GGUF file")
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+    offset = 24
+
+    def skip_string(at: int) -> int:
+        (length,) = struct.unpack_from("<Q", data, at)
+        return at + 8 + length
+
+    def skip_value(at: int, kind: int) -> int:
+        if kind == GGUF_STRING:
+            return skip_string(at)
+        if kind == GGUF_ARRAY:
+            item_kind, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if item_kind in GGUF_VALUE_SIZES:
+                return at + count * GGUF_VALUE_SIZES[item_kind]
+            for _ in range(count):
+                at = skip_value(at, item_kind)
+            return at
+        return at + GGUF_VALUE_SIZES[kind]
+
+    for _ in range(n_kv):
+        offset = skip_string(offset)
+        (kind,) = struct.unpack_from("<I", data, offset)
+        offset = skip_value(offset + 4, kind)
+    for _ in range(n_tensors):
+        offset = skip_string(offset)
+        (n_dims,) = struct.unpack_from("<I", data, offset)
+        offset += 4 + 8 * n_dims + 4 + 8
+    return offset
+
+
+@functools.cache
+def _fingerprint(path: Path, size: int, mtime_ns: int) -> str:
+    if size == 0:
+        return hashlib.sha256(b"").hexdigest()[:16]
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            end = gguf_index_end(data)
+        except (struct.error, KeyError, KVRescueError):
+            end = min(size, 1 << 20)  # not a readable GGUF (a reward head, a broken file): its first MiB
+        return hashlib.sha256(data[:end]).hexdigest()[:16]
+
+
+def file_hash(path: Path) -> str:
+    stat = path.stat()
+    return _fingerprint(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+def model_fingerprint(path: str | Path) -> dict:
+    """{"file", "size", "sha256"}: name, size, and the hash of the header and tensor index (for a PRM,
+    "head_sha256" too: the reward head beside the backbone)."""
+    path = Path(path)
+    out = {"file": path.name, "size": path.stat().st_size, "sha256": file_hash(path)}
+    if head_path(path).exists():
+        out["head_sha256"] = file_hash(head_path(path))
+    return out
+
+
+def settings(config: RescueConfig) -> dict:
+    """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes."""
+    flat = {**dataclasses.asdict(config.kv), **dataclasses.asdict(config.detector), **dataclasses.asdict(config)}
+    return {k: v for k, v in sorted(flat.items()) if k not in NOT_SETTINGS}
+
+
+def setup(config: RescueConfig, model_files: dict[str, Path | None]) -> dict:
+    """What a row records: the model files its mode uses (by role), the prompt template, the settings."""
+    used = {"base": config.uses_base, "helper": config.uses_helper, "prm": config.candidates_per_round > 1}
+    return {"models": {role: model_fingerprint(path) for role, path in model_files.items() if path and used[role]},
+            "prompt_sha256": hashlib.sha256(config.prompt.encode()).hexdigest()[:16],
+            "settings": settings(config)}
+
+
+def describe_model(fingerprint: dict) -> str:
+    return f"{fingerprint['file']} ({fingerprint['size']:,} bytes, {fingerprint['sha256'][:8]})"
+
+
+def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """What differs between two setups; models are compared for the roles both used."""
+    out = []
+    for role in sorted(set(a["models"]) & set(b["models"])):
+        if a["models"][role] != b["models"][role]:
+            out.append(f"{role} model {describe_model(a['models'][role])} vs {describe_model(b['models'][role])}")
+    if a["prompt_sha256"] != b["prompt_sha256"]:
+        out.append(f"prompt template {a['prompt_sha256'][:8]} vs {b['prompt_sha256'][:8]}")
+    ours, theirs = a["settings"], b["settings"]
+    out += [f"{k} {ours.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(ours) | set(theirs))
+            if k not in ignore and ours.get(k) != theirs.get(k)]
+    return out
+
+
+def distinct_setups(rows: list[dict], path: Path) -> list[dict]:
+    """The different setups of rows; rows without one (written by an older version) are refused."""
+    seen = {}
+    for row in rows:
+        if "setup" not in row:
+            raise KVRescueError(f"{path} holds results written before model fingerprints were recorded, so they "
+                                "cannot be checked against this run: write to a new results file (`report` still "
+                                "reads the old one)")
+        seen.setdefault(json.dumps(row["setup"], sort_keys=True), row["setup"])
+    return list(seen.values())
+
+
+def check_same_setup(ours: dict, setups: list[dict], path: Path, fix: str) -> None:
+    for theirs in setups:
+        diff = differences(theirs, ours)
+        if diff:
+            raise KVRescueError(f"{path} holds results of a different configuration ({'; '.join(diff)}): {fix}")
