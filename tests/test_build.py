@@ -65,3 +65,10 @@ def test_cache_key_changes_with_the_patch_series(build, tmp_path):
 def test_help_runs_without_dependencies():
     out = subprocess.run([sys.executable, str(ROOT / "patches" / "build.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--cuda" in out.stdout
+
+
+def test_the_loaded_build_names_its_backends():
+    from kvrescue_local.runtime.lib import backends
+
+    found = dict(backends())
+    assert found.get("CPU", 0) >= 1, found

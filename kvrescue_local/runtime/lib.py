@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from pathlib import Path
 
 from ..errors import KVRescueError
 
@@ -70,3 +71,19 @@ def patched() -> ctypes.CDLL:
 
 def library_path() -> str:
     return str(llama()._lib._name)
+
+
+def backends() -> list[tuple[str, int]]:
+    """(name, devices found) of every ggml backend compiled into the loaded llama.cpp: a CUDA build on a
+    machine without a GPU lists CUDA with 0 devices (and runs on the CPU)."""
+    llama()  # loads libggml with libllama and registers the backends
+    ggml = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
+    ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    ggml.ggml_backend_reg_get.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_reg_name.restype = ctypes.c_char_p
+    ggml.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    ggml.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    regs = [ggml.ggml_backend_reg_get(i) for i in range(ggml.ggml_backend_reg_count())]
+    return [(ggml.ggml_backend_reg_name(r).decode(), int(ggml.ggml_backend_reg_dev_count(r))) for r in regs]
