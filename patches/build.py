@@ -26,6 +26,7 @@ import sysconfig
 import tarfile
 import tempfile
 import time
+from ctypes.util import find_library
 from pathlib import Path
 
 SDIST_NAME = "llama-cpp-python"
@@ -34,6 +35,9 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 # mtmd (multimodal) is not used and doubles the build time.
 BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF"]
 CUDA_CMAKE_ARGS = ["-DGGML_CUDA=on"]
+# A CUDA toolkit installed without cuBLAS (nvcc alone, as on build machines with no GPU) gets it from
+# NVIDIA's PyPI wheel; the major version must match nvcc's.
+CUBLAS_WHEEL = "nvidia-cublas>={major},<{next_major}"
 
 PATCH_DIR = Path(__file__).resolve().parent
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local"
@@ -103,13 +107,82 @@ def apply_patches(vendor: Path, patches: list[Path]) -> None:
         log(f"applied {p.name}")
 
 
+def cuda_root() -> Path:
+    """The toolkit CMake will find: CUDA_HOME / CUDA_PATH, else /usr/local/cuda, else where nvcc lives."""
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if candidate and (Path(candidate) / "bin" / "nvcc").exists():
+            return Path(candidate).resolve()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise BuildError("--cuda needs the CUDA toolkit: set CUDA_HOME or put its nvcc on PATH")
+    return Path(nvcc).resolve().parent.parent
+
+
+def nvcc_major(root: Path) -> int:
+    out = run([str(root / "bin" / "nvcc"), "--version"], capture_output=True, text=True).stdout
+    for word in out.replace(",", " ").split():
+        if word.startswith("V") and word[1:2].isdigit():
+            return int(word[1:].split(".")[0])
+    raise BuildError(f"could not read the CUDA version from `nvcc --version`:\n{out}")
+
+
+def toolkit_has(root: Path, library: str) -> bool:
+    return any(root.glob(f"lib64/{library}.so*")) or any(root.glob(f"targets/*/lib/{library}.so*"))
+
+
+def fetch_cublas(cache: Path, major: int) -> Path:
+    """cuBLAS headers and libraries from NVIDIA's PyPI wheel, unpacked once into the cache."""
+    home = cache / "cuda-deps" / f"cublas-cu{major}"
+    lib, include = home / "nvidia" / f"cu{major}" / "lib", home / "nvidia" / f"cu{major}" / "include"
+    if not (lib / "libcublas.so").exists():
+        spec = CUBLAS_WHEEL.format(major=major, next_major=major + 1)
+        log(f"the CUDA toolkit has no cuBLAS: fetching {spec} from PyPI (about 450 MB)")
+        with tempfile.TemporaryDirectory(prefix="kvrescue-cublas-") as tmp:
+            res = run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", tmp, spec])
+            wheels = list(Path(tmp).glob("*.whl"))
+            if res.returncode != 0 or len(wheels) != 1:
+                raise BuildError(f"could not download {spec}: install cuBLAS with the CUDA toolkit, or make PyPI reachable")
+            shutil.rmtree(home, ignore_errors=True)
+            shutil.unpack_archive(str(wheels[0]), str(home), "zip")
+        for name in ("libcublas", "libcublasLt"):
+            (lib / f"{name}.so").symlink_to(f"{name}.so.{major}")
+    return home / "nvidia" / f"cu{major}"
+
+
+def cuda_cmake_args(cache: Path) -> list[str]:
+    """-DGGML_CUDA=on plus what a toolkit without cuBLAS or without a driver needs to build."""
+    root = cuda_root()
+    args = list(CUDA_CMAKE_ARGS)
+    if not toolkit_has(root, "libcublas"):
+        cublas = fetch_cublas(cache, nvcc_major(root))
+        include = f"-I{cublas / 'include'}"
+        args += [f"-DCUDA_cublas_LIBRARY={cublas / 'lib' / 'libcublas.so'}",
+                 f"-DCUDA_cublasLt_LIBRARY={cublas / 'lib' / 'libcublasLt.so'}",
+                 f"-DCMAKE_CUDA_FLAGS={include}", f"-DCMAKE_CXX_FLAGS={include}"]
+    if not toolkit_has(root, "libcuda") and find_library("cuda") is None:
+        # no driver library to link against: ggml's virtual-memory pool needs it, the legacy pool does not
+        args.append("-DGGML_CUDA_NO_VMM=ON")
+    return args
+
+
+def compiler_cache_env(build_root: str) -> dict[str, str]:
+    """ccache, when installed, for every compiler (C, C++, CUDA): rebuilds after a patch change take minutes.
+    Kept out of the wheel's cache key: it changes how the wheel is built, not what it contains."""
+    if shutil.which("ccache") is None:
+        return {}
+    launchers = " ".join(f"-DCMAKE_{lang}_COMPILER_LAUNCHER=ccache" for lang in ("C", "CXX", "CUDA"))
+    return {"CCACHE_BASEDIR": build_root, "CCACHE_NOHASHDIR": "1", "KVRESCUE_LAUNCHERS": launchers}
+
+
 def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="kvrescue-build-") as tmp:
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         src = Path(tmp) / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}"
         apply_patches(src / "vendor" / "llama.cpp", patches)
-        env = dict(os.environ, CMAKE_ARGS=cmake_args)
+        ccache = compiler_cache_env(tmp)
+        launchers = ccache.pop("KVRESCUE_LAUNCHERS", "")
+        env = dict(os.environ, **ccache, CMAKE_ARGS=f"{cmake_args} {launchers}".strip())
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         log(f"building the wheel (CMAKE_ARGS={cmake_args!r}); about 5 minutes on 2 cores")
         started = time.monotonic()
@@ -133,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheel-only", action="store_true", help="build (or find) the wheel without installing it")
     args = parser.parse_args(argv)
 
-    flags = BASE_CMAKE_ARGS + (CUDA_CMAKE_ARGS if args.cuda else []) + os.environ.get("CMAKE_ARGS", "").split()
-    cmake_args = " ".join(flags)
     patches = patch_series()
     try:
+        flags = BASE_CMAKE_ARGS + (cuda_cmake_args(args.cache_dir) if args.cuda else []) + os.environ.get("CMAKE_ARGS", "").split()
+        cmake_args = " ".join(flags)
         sdist = fetch_sdist(args.cache_dir)
         key_src = "\n".join([SDIST_SHA256, series_hash(patches), cmake_args,
                              sysconfig.get_platform(), platform.python_implementation(), sys.version.split()[0]])

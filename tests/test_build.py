@@ -72,3 +72,30 @@ def test_the_loaded_build_names_its_backends():
 
     found = dict(backends())
     assert found.get("CPU", 0) >= 1, found
+def fake_toolkit(root: Path, *libraries: str) -> Path:
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.48'\n")
+    nvcc.chmod(0o755)
+    (root / "lib64").mkdir()
+    for name in libraries:
+        (root / "lib64" / f"{name}.so").touch()
+    return root
+
+
+def test_a_toolkit_with_cublas_and_a_driver_builds_with_plain_flags(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda", "libcublas")))
+    monkeypatch.setattr(build, "find_library", lambda name: "libcuda.so.1")
+    assert build.cuda_cmake_args(tmp_path / "cache") == ["-DGGML_CUDA=on"]
+
+
+def test_a_toolkit_without_cublas_or_driver_gets_pypi_cublas_and_no_vmm(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda")))
+    monkeypatch.setattr(build, "find_library", lambda name: None)  # no driver installed
+    lib = tmp_path / "cache" / "cuda-deps" / "cublas-cu13" / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcublas.so").touch()  # unpacked before: no download
+    args = build.cuda_cmake_args(tmp_path / "cache")
+    assert f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so'}" in args
+    assert f"-DCMAKE_CUDA_FLAGS=-I{lib.parent / 'include'}" in args
+    assert args[-1] == "-DGGML_CUDA_NO_VMM=ON"
