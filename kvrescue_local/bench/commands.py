@@ -58,8 +58,8 @@ def run_command(dataset, data, limit, modes, budgets, ns, policies, results, res
         rescue_config(axis, template)  # refuses a bad budget or policy before any model is loaded
     needs_base = any(a.mode != "helper" for a in axes)
     needs_helper = any(a.mode in ("helper", "kvrescue") for a in axes)
-    base, helper, prm = open_models(options, needs_base, needs_helper, 2 * max(a.n for a in axes),
-                                    [p.problem for p in problems])
+    most_candidates = max(rescue_config(axis, template).candidates_per_round for axis in axes)
+    base, helper, prm = open_models(options, needs_base, needs_helper, most_candidates, [p.problem for p in problems])
     shard_index, shard_count = parse_shard(shard)
     total = len(range(shard_index, len(axes) * len(problems), shard_count))
     tally = {"done": 0, "correct": 0}
