@@ -46,7 +46,8 @@ def collect(args) -> None:
     done = set()
     if args.stats.exists():
         done = {(r["dataset"], r["id"], r["setting"]) for r in map(json.loads, args.stats.read_text().splitlines())}
-    problems = [(name, p) for name in args.datasets.split(",") for p in load_problems(name, limit=args.problems)[1]]
+    per_dataset = [[(name, p) for p in load_problems(name, limit=args.problems)[1]] for name in args.datasets.split(",")]
+    problems = [pair for row in zip(*per_dataset) for pair in row]  # datasets alternate: a stopped run covers each
     configs = settings([int(b) for b in args.budgets.split(",")])
     reserve = longest_prompt(RescueConfig(), [model], [p.problem for _, p in problems])
     engines = {}
@@ -54,7 +55,7 @@ def collect(args) -> None:
         engines[label] = Rescue(config, model, prompt_tokens_max=reserve)
         engines[label].detector = Detector(WATCH_ONLY)  # bon/full modes have none: watch their base candidates
     with args.stats.open("a") as out:
-        for dataset, problem in problems:  # problem-major: a stopped run still covers every setting
+        for dataset, problem in problems:  # problem-major: a stopped run covers every setting
             for label, engine in engines.items():
                 if (dataset, problem.id, label) in done:
                     continue

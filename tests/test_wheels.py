@@ -112,3 +112,17 @@ def test_coder_preset_needs_pulled_models_and_a_prm_where_a_round_has_a_choice(t
         assert result.exit_code == 1, result.output
         assert "the coder preset has no PRM yet" in result.output and "pass --prm" in result.output
         assert "Traceback" not in result.output
+
+
+def test_a_preset_brings_its_calibrated_detector_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
+    from kvrescue_local import options
+    from kvrescue_local.detect import DetectorParams
+    from kvrescue_local.detect.calibrate import save_params
+
+    monkeypatch.setitem(options.PRESET_DETECTORS, "coder", save_params(
+        DetectorParams(tau_entropy=2.5, tau_compression=0.2, text_window=128), tmp_path / "detector.json"))
+    given = {"preset": "coder", "base": None, "tau_entropy": None, "tau_compression": None}
+    assert options.detector_params(given) == DetectorParams(tau_entropy=2.5, tau_compression=0.2, text_window=128)
+    assert options.detector_params({**given, "tau_entropy": 4.0}).tau_entropy == 4.0
+    assert options.detector_params({**given, "base": "other.gguf"}) == DetectorParams(), "other models: the defaults"
+    assert options.detector_params({**given, "preset": "tiny"}) == DetectorParams()
