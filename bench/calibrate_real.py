@@ -73,44 +73,58 @@ def enumeration(start: int, step: int, count: int) -> bytes:
     return ", ".join(f"a_{i} = {start + step * (i - 1)}" for i in range(1, count + 1)).encode()
 
 
+def killed(row: dict, params: DetectorParams) -> bool:
+    return row["max_mean_entropy"] > params.tau_entropy or row["min_compression"] < params.tau_compression
+
+
 def kill_rates(rows: list[dict], params: DetectorParams) -> dict[str, float]:
-    by_setting: dict[str, list[bool]] = {}
-    for r in rows:
-        killed = r["max_mean_entropy"] > params.tau_entropy or r["min_compression"] < params.tau_compression
-        by_setting.setdefault(r["setting"], []).append(killed)
-    return {s: 100 * float(np.mean(k)) for s, k in sorted(by_setting.items())}
+    settings = sorted({r["setting"] for r in rows})
+    return {s: 100 * float(np.mean([killed(r, params) for r in rows if r["setting"] == s])) for s in settings}
+
+
+MAX_FALSE_KILLS = 1.0  # % of full-KV candidates a fitted threshold may kill; above it the default stays
 
 
 def fit(args) -> None:
     rows = [json.loads(line) for line in args.stats.read_text().splitlines()]
-    watched = [r for r in rows if r["tokens"] >= DetectorParams().entropy_window]  # shorter ones are never judged
-    counts = {s: sum(r["setting"] == s for r in watched) for s in sorted({r["setting"] for r in watched})}
-    print(f"{len(watched)} candidates with >= {DetectorParams().entropy_window} tokens: "
-          + ", ".join(f"{s} {n}" for s, n in counts.items()))
-    fitted, report = calibrate(watched)
-    for name, r in report.items():
-        print(f"  {name}: Otsu threshold {r['threshold']:.3f}, separability {r['separability']:.2f}"
-              f"{'' if r['used'] else ' (below 0.75: one mode, default kept)'}")
-    for key in ("max_mean_entropy", "min_compression"):
+    defaults = DetectorParams()
+    # each signal only where it was measured: a full entropy window, a full text window (zstd checked)
+    measured = {"tau_entropy": ("max_mean_entropy", [r for r in rows if r["tokens"] >= defaults.entropy_window]),
+                "tau_compression": ("min_compression", [r for r in rows if r["min_compression"] < 1.0])}
+    chosen = {}
+    for field, (key, subset) in measured.items():
+        counts = {s: sum(r["setting"] == s for r in subset) for s in sorted({r["setting"] for r in subset})}
+        print(f"{key}: {len(subset)} candidates ({', '.join(f'{s} {n}' for s, n in counts.items())})")
         for s in counts:
-            v = np.array([r[key] for r in watched if r["setting"] == s])
-            print(f"  {key:16s} {s:8s}: p1 {np.percentile(v, 1):.3f}  p50 {np.median(v):.3f}  p99 {np.percentile(v, 99):.3f}")
+            v = np.array([r[key] for r in subset if r["setting"] == s])
+            print(f"  {s:8s}: min {v.min():.3f}  p50 {np.median(v):.3f}  max {v.max():.3f}")
+        _, report = calibrate(subset)
+        threshold, separability = report[field]["threshold"], report[field]["separability"]
+        trial = dataclasses.replace(WATCH_ONLY, **{field: threshold})
+        false_kills = kill_rates([r for r in subset if r["setting"] == "full"], trial).get("full", 0.0)
+        keep = report[field]["used"] and false_kills <= MAX_FALSE_KILLS
+        print(f"  Otsu: threshold {threshold:.3f}, separability {separability:.2f}, it would kill "
+              + ", ".join(f"{s} {v:.1f}%" for s, v in kill_rates(subset, trial).items())
+              + ("" if keep else f": not used (separability < 0.75 or > {MAX_FALSE_KILLS}% full-KV kills), "
+                                 f"default {getattr(defaults, field)} kept"))
+        if keep:
+            chosen[field] = threshold
     full_text = [r["text"].encode() for r in rows if r["setting"] == "full" and len(r["text"].encode()) >= 256]
-    windows = [t[i:i + 256] for t in full_text for i in range(0, len(t) - 255, 64)]
-    ratios = [compression_ratio(w) for w in windows]
+    ratios = [compression_ratio(t[i:i + 256]) for t in full_text for i in range(0, len(t) - 255, 64)]
     enums = {"a_1 = 2, a_2 = 4, ...": enumeration(2, 2, 40), "a_1 = 3, a_2 = 10, ... (+7)": enumeration(3, 7, 40)}
     for label, text in enums.items():
-        print(f"  zstd ratio of 256 bytes of {label}: {compression_ratio(text[:256]):.3f}")
+        print(f"zstd ratio of 256 bytes of {label}: {compression_ratio(text[:256]):.3f}")
     if ratios:
-        print(f"  zstd ratio of 256-byte windows of full-KV candidates ({len(ratios)}): min {min(ratios):.3f}, "
-              f"p1 {np.percentile(ratios, 1):.3f}, p50 {np.median(ratios):.3f}")
-    for label, params in (("default", DetectorParams()), ("fitted", fitted)):
-        rates = kill_rates(watched, params)
-        print(f"  kill rate at {label} thresholds (entropy {params.tau_entropy:.3f}, zstd {params.tau_compression:.3f}): "
-              + ", ".join(f"{s} {v:.1f}%" for s, v in rates.items()))
+        print(f"zstd ratio of 256-byte windows of full-KV steps ({len(ratios)}): min {min(ratios):.3f}, "
+              f"p50 {np.median(ratios):.3f}")
+    fitted = dataclasses.replace(defaults, **chosen)
+    watched = measured["tau_entropy"][1]
+    for label, params in (("default", defaults), ("chosen", fitted)):
+        print(f"kill rate at the {label} thresholds (entropy {params.tau_entropy:.3f}, zstd {params.tau_compression:.3f}): "
+              + ", ".join(f"{s} {v:.1f}%" for s, v in kill_rates(watched, params).items()))
     if args.write:
         args.write.parent.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {save_params(dataclasses.replace(fitted), args.write)}")
+        print(f"wrote {save_params(fitted, args.write)}")
 
 
 def main() -> None:

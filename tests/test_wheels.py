@@ -117,8 +117,9 @@ def test_coder_preset_needs_pulled_models_and_a_prm_where_a_round_has_a_choice(t
 def test_a_preset_brings_its_calibrated_detector_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
     from kvrescue_local import options
     from kvrescue_local.detect import DetectorParams
-    from kvrescue_local.detect.calibrate import save_params
+    from kvrescue_local.detect.calibrate import load_params, save_params
 
+    assert load_params(presets.PRESET_DETECTORS["coder"]).text_window == 256, "the shipped calibration loads"
     monkeypatch.setitem(options.PRESET_DETECTORS, "coder", save_params(
         DetectorParams(tau_entropy=2.5, tau_compression=0.2, text_window=128), tmp_path / "detector.json"))
     given = {"preset": "coder", "base": None, "tau_entropy": None, "tau_compression": None}
