@@ -36,28 +36,29 @@ def n_embd_k_gqa_of(model: Model) -> int:
     return model.n_embd // low.llama_model_n_head(model.handle) * low.llama_model_n_head_kv(model.handle)
 
 
-def generate(model: Model, prompt: np.ndarray, tokens: int, budget: KVBudget | None) -> tuple[float, float, int]:
+def generate(model: Model, prompt: np.ndarray, tokens: int, budget: KVBudget | None,
+             n_seq: int = N_SEQ) -> tuple[float, float, int]:
     """(seconds in total, seconds in eviction, cells resident at the end summed over sequences)."""
-    n_ctx = budget.context_cells(N_SEQ, 512) if budget else N_SEQ * (len(prompt) + tokens) + 512
-    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=N_SEQ, flash_attn="off"))
+    n_ctx = budget.context_cells(n_seq, 512) if budget else n_seq * (len(prompt) + tokens) + 512
+    ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=n_seq, flash_attn="off"))
     seqs = BudgetedSequences(ctx, budget) if budget else None
     ctx.prefill(0, prompt)
-    for s in range(1, N_SEQ):
+    for s in range(1, n_seq):
         seqs.fork(0, s) if seqs else ctx.fork(0, s)
-    ids = np.arange(N_SEQ, dtype=np.int32)
-    next_tokens = np.full(N_SEQ, ord("x"), np.int32)
+    ids = np.arange(n_seq, dtype=np.int32)
+    next_tokens = np.full(n_seq, ord("x"), np.int32)
     evicting = 0.0
     started = time.perf_counter()
     for _ in range(tokens):
         ctx.step(ids, next_tokens)
-        next_tokens = np.array([int(np.argmax(ctx.logits(i))) for i in range(N_SEQ)], np.int32)
+        next_tokens = np.array([int(np.argmax(ctx.logits(i))) for i in range(n_seq)], np.int32)
         if seqs:
             t0 = time.perf_counter()
-            for s in range(N_SEQ):
+            for s in range(n_seq):
                 seqs.enforce(s)
             evicting += time.perf_counter() - t0
     total = time.perf_counter() - started
-    return total, evicting, sum(ctx.n_cells(s) for s in range(N_SEQ))
+    return total, evicting, sum(ctx.n_cells(s) for s in range(n_seq))
 
 
 def main() -> None:

@@ -8,9 +8,11 @@ from pathlib import Path
 import click
 
 from .detect import DetectorParams
+from .detect.calibrate import load_params
+from .errors import KVRescueError
 from .eviction import KVBudget
 from .hub import resolve_gguf, resolve_prm
-from .presets import CACHE, PRESET_PROMPTS, load_preset
+from .presets import CACHE, PRESET_DETECTORS, PRESET_PROMPTS, load_preset
 from .prm import PRM, PRMParams
 from .rescue import RescueConfig
 from .runtime import Model
@@ -34,10 +36,14 @@ SEARCH_OPTIONS = [
     click.option("--max-tokens", type=int, default=4096, show_default=True, help="trajectory length cap"),
     click.option("--max-steps", type=int, default=512, show_default=True),
     click.option("--max-step-tokens", type=int, default=256, show_default=True),
-    click.option("--tau-entropy", type=float, default=3.0, show_default=True,
-                 help="detector: mean entropy (nats) above which a base candidate dies"),
-    click.option("--tau-compression", type=float, default=0.35, show_default=True,
-                 help="detector: zstd ratio below which a base candidate dies"),
+    click.option("--tau-entropy", type=float,
+                 help="detector: mean entropy (nats) above which a base candidate dies [default: the preset's "
+                      f"calibrated one, else {DetectorParams().tau_entropy}]"),
+    click.option("--tau-compression", type=float,
+                 help="detector: zstd ratio below which a base candidate dies [default: the preset's "
+                      f"calibrated one, else {DetectorParams().tau_compression}]"),
+    click.option("--prm-ctx", type=int, default=0, show_default=True,
+                 help="PRM context in its own tokens (0: sized from the problem; it grows as the trajectory does)"),
 ]
 
 
@@ -47,6 +53,15 @@ def search_options(command):
     return command
 
 
+def detector_params(options: dict) -> DetectorParams:
+    """The preset's calibrated detector (when its models are used), with the thresholds given on the command line."""
+    o = options
+    path = PRESET_DETECTORS.get(o["preset"]) if o["base"] is None else None
+    params = load_params(path) if path and path.exists() else DetectorParams()
+    given = {k: o[k] for k in ("tau_entropy", "tau_compression") if o[k] is not None}
+    return dataclasses.replace(params, **given)
+
+
 def template_config(mode: str, n: int, budget: int, policy: str, options: dict) -> RescueConfig:
     """A RescueConfig from the shared options (and the sweep axes given separately)."""
     o = options
@@ -54,7 +69,7 @@ def template_config(mode: str, n: int, budget: int, policy: str, options: dict) 
         mode=mode, n=n,
         kv=KVBudget(budget=budget, buffer=o["buffer"], n_sink=o["n_sink"], window=o["window"], policy=policy,
                     protect_prompt=o["protect_prompt"]),
-        detector=DetectorParams(tau_entropy=o["tau_entropy"], tau_compression=o["tau_compression"]),
+        detector=detector_params(o),
         max_tokens=o["max_tokens"], max_steps=o["max_steps"], max_step_tokens=o["max_step_tokens"],
         temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"], n_gpu_layers=o["n_gpu_layers"],
         flash_attn=o["flash_attn"], n_threads=o["threads"],
@@ -67,16 +82,21 @@ PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
 def open_models(options: dict, needs_base: bool, needs_helper: bool, max_candidates: int, problems: list[str]):
     """(base, helper, prm) from --base/--helper/--prm, falling back to the preset for what is not given.
 
-    The PRM context holds the longest problem (a token covers at least one byte, so its UTF-8 length
-    bounds its tokens), the trajectory and one batch of candidates."""
+    The PRM is opened only when a round has a choice (max_candidates > 1). Its context starts at
+    --prm-ctx, or at the longest problem (a token covers at least one byte, so its UTF-8 length bounds
+    its tokens) + the trajectory cap + one batch of candidates, and grows in the PRM's own tokens."""
     o = options
+    needs_prm = max_candidates > 1
     given = {k: o[k] for k in ("base", "helper", "prm")}
     preset = None
-    if any(given[k] is None for k, needed in (("base", needs_base), ("helper", needs_helper), ("prm", True)) if needed):
+    if any(given[k] is None for k, needed in (("base", needs_base), ("helper", needs_helper), ("prm", needs_prm)) if needed):
         preset = load_preset(o["preset"])
         if preset.note:
             click.echo(f"preset {preset.name}: {preset.note}", err=True)
     path = {k: given[k] or getattr(preset, k) for k in given} if preset else dict(given)
+    if needs_prm and path["prm"] is None:
+        raise KVRescueError(f"the {preset.name} preset has no PRM yet, and {max_candidates} candidates per round need "
+                            "one to choose between them: pass --prm PATH.gguf (or use -n 1 in mode full, bon or helper)")
     for role in ("base", "helper"):
         path[role] = path[role] and resolve_gguf(path[role])
     if given["prm"] and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
@@ -84,9 +104,10 @@ def open_models(options: dict, needs_base: bool, needs_helper: bool, max_candida
     ngl = o["n_gpu_layers"]
     base = Model(path["base"], n_gpu_layers=ngl) if needs_base else None
     helper = Model(path["helper"], n_gpu_layers=ngl) if needs_helper else None
-    longest = max(len(p.encode()) for p in problems)
+    if not needs_prm:
+        return base, helper, None
     prm_params = PRMParams(max_candidates=max_candidates, n_gpu_layers=ngl, flash_attn=o["flash_attn"],
                            n_threads=o["threads"])
-    prm_params = dataclasses.replace(prm_params, n_ctx=longest + PRM_TEMPLATE_TOKENS + o["max_tokens"] + prm_params.n_batch)
-    prm = PRM(path["prm"], prm_params)
-    return base, helper, prm
+    longest = max(len(p.encode()) for p in problems)
+    n_ctx = o["prm_ctx"] or longest + PRM_TEMPLATE_TOKENS + o["max_tokens"] + prm_params.n_batch
+    return base, helper, PRM(path["prm"], dataclasses.replace(prm_params, n_ctx=n_ctx))

@@ -2,7 +2,8 @@
 
 `tiny` is written on first use from fixed seeds (random weights: it exercises the whole
 machinery offline, it does not reason). `toy` is the trained toy world shipped in models/toy
-(kvrescue_local/toy): a base, a helper and a PRM that solve the toy ledger task.
+(kvrescue_local/toy): a base, a helper and a PRM that solve the toy ledger task. `coder` is the
+real Qwen2.5-Coder pair pulled from PyPI wheels (kvrescue_local/wheels), without a PRM so far.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
 from .hub import HUB_PRESETS, HubModels, resolve_gguf, resolve_prm
 from .prm import RewardHead, head_path
 from .toy.task import TOY_PROMPT
+from .wheels import WHEEL_MODELS, cached
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local"
 
@@ -27,7 +29,7 @@ class Preset:
     name: str
     base: Path
     helper: Path
-    prm: Path
+    prm: Path | None  # None: the preset has no PRM (yet), --prm must give one where a round has a choice
     note: str = ""
 
 
@@ -69,9 +71,28 @@ def toy_preset(directory: Path = TOY_DIR) -> Preset:
     return Preset("toy", base, helper, prm, note="trained on the toy ledger task: see `kvrescue-local toy sample`")
 
 
-PRESETS = {"tiny": tiny_preset, "toy": toy_preset}
+MODELS_CACHE = CACHE / "models"
+CODER_DIR = TOY_DIR.parent / "coder"
+CODER_MODELS = ("coder-1.5b", "coder-0.5b")  # base, helper
+
+
+def coder_preset(directory: Path | None = None) -> Preset:
+    """The real pair, from the cache only: `kvrescue-local models pull coder` fills it."""
+    directory = directory or MODELS_CACHE
+    missing = [name for name in CODER_MODELS if cached(WHEEL_MODELS[name], directory) is None]
+    if missing:
+        raise KVRescueError(f"the coder preset's {' and '.join(missing)} are not in {directory}: run "
+                            f"`kvrescue-local models pull coder` (about 1.6 GB from PyPI)")
+    base, helper = (cached(WHEEL_MODELS[name], directory) for name in CODER_MODELS)
+    return Preset("coder", base, helper, None,
+                  note="Qwen2.5-Coder 1.5B base (evicted), 0.5B helper (full context), no PRM yet")
+
+
+PRESETS = {"tiny": tiny_preset, "toy": toy_preset, "coder": coder_preset}
 # The chat template a preset's models were trained on, where it is not the real presets' qwen25-math-cot
 PRESET_PROMPTS = {"toy": TOY_PROMPT}
+# Detector thresholds calibrated on a preset's base (bench/calibrate_real.py); others use DetectorParams()
+PRESET_DETECTORS = {"coder": CODER_DIR / "detector.json"}
 
 
 def hub_preset(models: HubModels, offline: bool | None = None) -> Preset:

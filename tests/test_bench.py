@@ -122,3 +122,29 @@ def test_shards_merge_into_the_full_sweep(base_path, helper_path, tiny_prm_path,
     bad = CliRunner().invoke(main, bench_args(base_path, helper_path, tiny_prm_path, tmp_path / "x.jsonl",
                                               "--shard", "2/2"))
     assert bad.exit_code != 0 and "--shard 2/2" in bad.output
+
+
+def test_n1_sweep_opens_no_prm_and_a_problem_that_cannot_finish_becomes_a_row(base_path, tmp_path, monkeypatch):
+    from kvrescue_local.rescue import Rescue
+
+    solve = Rescue.solve
+
+    def fails_on_the_robe(self, problem, on_step=None):
+        if problem.startswith("A robe"):
+            raise KVRescueError("the helper context (n_ctx=512) is full: raise its context size or lower --max-tokens")
+        return solve(self, problem, on_step)
+
+    monkeypatch.setattr(Rescue, "solve", fails_on_the_robe)
+    results = tmp_path / "r.jsonl"
+    args = ["bench", "run", "--dataset", "gsm8k", "--limit", "3", "--modes", "full,bon", "--ns", "1", "--budgets", "32",
+            "--buffer", "16", "--max-tokens", "24", "--max-step-tokens", "12", "--base", str(base_path),
+            "--prm", str(tmp_path / "absent-prm.gguf"), "--results", str(results)]
+    run = CliRunner().invoke(main, args)  # N = 1 has no choice to make: the (missing) PRM is never opened
+    assert run.exit_code == 0, run.output
+    rows = read_rows(results)
+    assert len(rows) == 6
+    failed = [r for r in rows if r.get("error")]
+    assert [r["id"] for r in failed] == ["1", "1"] and all(r["stop"] == "error" and not r["correct"] for r in failed)
+    assert "helper context (n_ctx=512) is full" in failed[0]["error"]
+    report = CliRunner().invoke(main, ["report", str(results)])
+    assert report.exit_code == 0, report.output

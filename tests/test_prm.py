@@ -122,14 +122,18 @@ def test_unknown_format_name():
         RewardHead([np.zeros((2, 4), np.float32)], [np.zeros(2, np.float32)], "shepherd")
 
 
-def test_trajectory_longer_than_the_prm_context(converted):
+def test_prm_context_grows_with_the_trajectory_up_to_its_training_context(converted):
     _, _, gguf = converted
-    prm = PRM(gguf, PRMParams(n_ctx=256, **EXACT))
-    prm.start(PROBLEM)
-    with pytest.raises(KVRescueError, match="raise the PRM context"):
-        prm.score(["x" * 300])
-    with pytest.raises(KVRescueError, match="raise the PRM context"):
-        prm.score_trajectory(PROBLEM, ["step. " * 20] * 3)
+    small, roomy = PRM(gguf, PRMParams(n_ctx=256, **EXACT)), PRM(gguf, PRMParams(n_ctx=2048, **EXACT))
+    for prm in (small, roomy):
+        prm.start(PROBLEM)
+        prm.commit("step. " * 40)  # past 256 tokens: the small one grows and re-encodes its prefix
+    assert small.ctx.n_ctx > 256
+    np.testing.assert_allclose(small.score(CANDIDATES[:3]), roomy.score(CANDIDATES[:3]), atol=1e-5)
+    np.testing.assert_allclose(small.score_trajectory(PROBLEM, ["x" * 300] * 3),
+                               roomy.score_trajectory(PROBLEM, ["x" * 300] * 3), atol=1e-5)
+    with pytest.raises(KVRescueError, match="trained on a context of 4096: lower --max-tokens"):
+        small.score(["x" * 5000])
 
 
 def test_conversion_refuses_unknown_architectures_and_missing_tensors(tmp_path):

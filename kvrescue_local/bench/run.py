@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -90,6 +91,12 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return index, count
 
 
+def unfinished_record(seconds: float) -> dict:
+    """The record of a problem that stopped with an error: no answer, no steps."""
+    return {"answer": None, "stop": "error", "n_steps": 0, "steps": [], "early_exit_fraction": 0.0,
+            "tokens": {"base": 0, "helper": 0, "committed": 0}, "timings": {"total": round(seconds, 4)}}
+
+
 @dataclass
 class Models:
     base: Model | None
@@ -135,8 +142,14 @@ def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template:
                     engines[axis] = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
                                            prompt_tokens_max=prompt_tokens)
                 engine = engines[axis]
-                record = engine.solve(problem.problem).record()
+                started = time.perf_counter()
+                try:
+                    record, error = engine.solve(problem.problem).record(), None
+                except KVRescueError as exc:  # this problem cannot finish here: its row says why and the sweep goes on
+                    record, error = unfinished_record(time.perf_counter() - started), str(exc)
                 line = result_line(dataset, problem, axis, engine.config, record, setups[axis])
+                if error:
+                    line["error"] = error
                 out.write(json.dumps(line, ensure_ascii=False) + "\n")
                 out.flush()
                 os.fsync(out.fileno())

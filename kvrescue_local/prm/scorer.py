@@ -39,18 +39,28 @@ class PRM:
         self.model = Model(path, n_gpu_layers=params.n_gpu_layers)
         self.head = RewardHead.load(head_path(path), hidden_size=self.model.n_embd)
         self.format = prm_format(self.head.format)
-        self.ctx = Context(self.model, ContextParams(
-            n_ctx=params.n_ctx, n_seq_max=params.max_candidates + 1, n_batch=params.n_batch,
-            kv_type=params.kv_type, flash_attn=params.flash_attn, embeddings=True,
-            n_threads=params.n_threads))
+        self.ctx = self.new_context(params.n_ctx)
         self.bos = self.model.detokenize([self.model.bos])
+        self.prefix: list[np.ndarray] = []  # the tokens of sequence 0 by segment, to re-encode when the context grows
+
+    def new_context(self, n_ctx: int) -> Context:
+        p = self.params
+        return Context(self.model, ContextParams(n_ctx=n_ctx, n_seq_max=p.max_candidates + 1, n_batch=p.n_batch,
+                                                 kv_type=p.kv_type, flash_attn=p.flash_attn, embeddings=True,
+                                                 n_threads=p.n_threads))
 
     # --- incremental scoring ----------------------------------------------
     def start(self, problem: str) -> None:
         """Forget everything and encode the problem's header."""
         for seq in range(self.ctx.n_seq_max):
             self.ctx.drop(seq)
-        self.ctx.prefill(PREFIX, self.model.tokenize(self.format.header(problem, self.bos)))
+        self.prefix = []
+        self.append(self.model.tokenize(self.format.header(problem, self.bos)))
+
+    def append(self, tokens: np.ndarray) -> None:
+        self.make_room(self.ctx.pos_max(PREFIX) + 1 + len(tokens))
+        self.ctx.prefill(PREFIX, tokens)
+        self.prefix.append(tokens)
 
     def score(self, steps: list[str]) -> np.ndarray:
         """Reward of each candidate step given the committed trajectory.
@@ -64,9 +74,9 @@ class PRM:
         if len(steps) > self.params.max_candidates:
             raise KVRescueError(f"{len(steps)} candidates exceed the PRM's max_candidates="
                                 f"{self.params.max_candidates}: raise it")
-        start = self.ctx.pos_max(PREFIX) + 1
         pieces = [self.model.tokenize(self.format.step_text(s)) for s in steps]
-        self.check_room(start + max(len(p) for p in pieces), start)
+        self.make_room(self.ctx.pos_max(PREFIX) + 1 + max(len(p) for p in pieces))
+        start = self.ctx.pos_max(PREFIX) + 1
         hidden = []
         for group in self.groups([len(p) for p in pieces]):
             for seq, i in enumerate(group, start=1):
@@ -93,10 +103,7 @@ class PRM:
 
     def commit(self, step: str) -> None:
         """Append a step to the cached trajectory (encoded once, never again)."""
-        tokens = self.model.tokenize(self.format.step_text(step))
-        start = self.ctx.pos_max(PREFIX) + 1
-        self.check_room(start + len(tokens), start)
-        self.ctx.prefill(PREFIX, tokens)
+        self.append(self.model.tokenize(self.format.step_text(step)))
 
     def drop_candidates(self) -> None:
         for seq in range(1, self.ctx.n_seq_max):
@@ -108,10 +115,10 @@ class PRM:
         self.start(problem)
         if not steps:
             return np.zeros(0, np.float32)
-        start = self.ctx.pos_max(PREFIX) + 1
         pieces = [self.model.tokenize(self.format.step_text(s)) for s in steps]
         tokens = np.concatenate(pieces)
-        self.check_room(start + len(tokens), start)
+        self.make_room(self.ctx.pos_max(PREFIX) + 1 + len(tokens))
+        start = self.ctx.pos_max(PREFIX) + 1
         outputs = np.zeros(len(tokens), np.int8)
         outputs[np.cumsum([len(p) for p in pieces]) - 1] = 1
         hidden = self.decode_hidden(tokens, start + np.arange(len(tokens), dtype=np.int32),
@@ -119,10 +126,19 @@ class PRM:
         return self.head.rewards(hidden)
 
     # --- plumbing -----------------------------------------------------------
-    def check_room(self, needed: int, prefix: int) -> None:
-        if needed > self.ctx.n_ctx:
-            raise KVRescueError(f"the PRM needs {needed} tokens (trajectory {prefix} + candidates) but its context "
-                                f"holds n_ctx={self.ctx.n_ctx}: raise the PRM context (--prm-ctx) or shorten the run")
+    def make_room(self, needed: int) -> None:
+        """Grow the context to hold `needed` tokens (at least doubling it, up to the PRM's training context) and
+        re-encode the committed prefix into it: the trajectory's length in the PRM's tokens is known only as it grows."""
+        if needed <= self.ctx.n_ctx:
+            return
+        limit = max(self.model.n_ctx_train, self.params.n_ctx)
+        if needed > limit:
+            raise KVRescueError(f"the PRM needs {needed} tokens (trajectory {self.ctx.pos_max(PREFIX) + 1} + candidates) "
+                                f"but {self.model.path.name} was trained on a context of {limit}: lower --max-tokens")
+        self.ctx.free()
+        self.ctx = self.new_context(min(limit, max(needed, 2 * self.ctx.n_ctx)))
+        if self.prefix:
+            self.ctx.prefill(PREFIX, np.concatenate(self.prefix))
 
     def decode_hidden(self, tokens, positions, seq_ids, outputs) -> np.ndarray:
         """Decode in n_batch chunks; hidden states of the rows flagged in outputs, in order."""

@@ -97,7 +97,7 @@ class Rescue:
             raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
                                 "them: pass --prm (or use N=1)")
         self.same_vocab = check_compatible(base, helper) if config.mode == "kvrescue" else False
-        self.prm = prm
+        self.prm = prm if config.candidates_per_round > 1 else None  # with one candidate there is nothing to choose
         sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
         full_ctx = prompt_tokens_max + config.max_tokens + config.n * config.max_step_tokens + config.n_batch
         if config.helper_ctx:

