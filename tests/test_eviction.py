@@ -84,7 +84,7 @@ def test_resident_cells_stay_within_budget_over_2000_tokens(base_model, budget_s
 
 
 def rkv_reference(inputs, budget, lam=0.1, kernel=7, similar=0.5):
-    """R-KV's selection written out directly from its definition (DESIGN.md §5), loop by loop."""
+    """R-KV's selection written out directly from its definition (docs/design.md §5), loop by loop."""
     n = len(inputs.positions)
     attention = np.array([max(inputs.window_attention[max(0, i - kernel // 2):i + kernel // 2 + 1]) for i in range(n)])
     importance = attention / attention.sum()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .report import Summary, summaries
+from .metrics import Summary, summaries
 
 COLOURS = {"full": "#333333", "helper": "#e08a1e", "bon": "#c0392b", "kvrescue": "#1f6fb2"}
 BASE_COLOUR, HELPER_COLOUR, KILLED_COLOUR = "#1f6fb2", "#e08a1e", "#c0392b"

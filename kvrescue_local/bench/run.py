@@ -16,13 +16,11 @@ from typing import Callable, Iterable
 
 from ..errors import KVRescueError
 from ..prm import PRM
-from ..rescue import Rescue, RescueConfig, longest_prompt
+from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
 from ..runtime import Model
-from .datasets import Problem
-from .grade import is_correct
+from .datasets import Dataset
+from .metrics import result_line
 
-DEGENERATE_STEPS = 256  # the paper: an incorrect trajectory with at least this many committed steps
-LENGTH_CAPS = ("max_tokens", "max_steps")
 # settings that must be the same for every line of one results file (the sweep axes may differ)
 SHARED = ("buffer", "n_sink", "window", "protect_prompt", "tau_entropy", "tau_compression", "max_tokens",
           "max_steps", "max_step_tokens", "temperature", "top_p", "seed")
@@ -30,7 +28,7 @@ SHARED = ("buffer", "n_sink", "window", "protect_prompt", "tau_entropy", "tau_co
 
 @dataclass(frozen=True)
 class Axis:
-    mode: str
+    mode: Mode
     budget: int
     n: int
     policy: str
@@ -40,11 +38,11 @@ class Axis:
         return f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}"
 
 
-def sweep_axes(modes: Iterable[str], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str]) -> list[Axis]:
+def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str]) -> list[Axis]:
     """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once."""
     axes = []
-    for mode, budget, n, policy in product(modes, budgets, ns, policies):
-        if mode in ("full", "helper"):
+    for mode, budget, n, policy in product(map(Mode.parse, modes), budgets, ns, policies):
+        if not mode.evicts:
             budget, policy = 0, "none"
         axis = Axis(mode, budget, n, policy)
         if axis not in axes:
@@ -62,22 +60,9 @@ def shared_settings(config: RescueConfig) -> dict:
     return {k: flat[k] for k in SHARED}
 
 
-def result_line(dataset: str, problem: Problem, axis: Axis, config: RescueConfig, record: dict) -> dict:
-    correct = is_correct(problem.answer, record["answer"])
-    steps = record["steps"]
-    base = [c for s in steps for c in s["candidates"] if c["side"] == "base"]
-    return {
-        "dataset": dataset, "id": problem.id, "config_key": axis.key,
-        "config": {**dataclasses.asdict(axis), **shared_settings(config)},
-        "gold": problem.answer, "answer": record["answer"], "correct": correct, "stop": record["stop"],
-        "degenerate": not correct and (record["n_steps"] >= DEGENERATE_STEPS or record["stop"] in LENGTH_CAPS),
-        "n_steps": record["n_steps"],
-        "steps_from": {side: sum(s["source"] == side for s in steps) for side in ("base", "helper")},
-        "tokens": record["tokens"], "base_candidates": len(base), "killed": sum(c["finished"] == "killed" for c in base),
-        "early_exit_fraction": record["early_exit_fraction"],
-        "detector": [c["detector"] for c in base if "detector" in c],
-        "timings": record["timings"],
-    }
+def results_config(axis: Axis, config: RescueConfig) -> dict:
+    """The settings a results line records: the sweep axes, the shared settings and the prompt template."""
+    return {**dataclasses.asdict(axis), **shared_settings(config), "prompt": config.prompt}
 
 
 def read_results(path: Path) -> list[dict]:
@@ -130,10 +115,11 @@ class Models:
     prm: PRM | None
 
 
-def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template: RescueConfig, models: Models,
+def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models: Models,
               results: Path, resume: bool = False, shard: tuple[int, int] = (0, 1),
               on_result: Callable[[dict], None] | None = None, on_skip: Callable[[int], None] | None = None) -> int:
     """Run what is not done yet; returns the number of lines written."""
+    label, problems = dataset.label, dataset.problems
     rows = read_results(results)
     if rows and not resume:
         raise KVRescueError(f"{results} already holds {len(rows)} results: pass --resume to continue it or choose a "
@@ -142,7 +128,7 @@ def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template:
     done = done_keys(rows)
     index, count = shard
     tasks = [(axis, p) for axis in axes for p in problems][index::count]
-    todo = [(axis, p) for axis, p in tasks if (dataset, p.id, axis.key) not in done]
+    todo = [(axis, p) for axis, p in tasks if (label, p.id, axis.key) not in done]
     if on_skip:
         on_skip(len(tasks) - len(todo))
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -156,8 +142,9 @@ def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template:
                 engines[axis] = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
                                        prompt_tokens_max=prompt_tokens)
             engine = engines[axis]
-            record = engine.solve(problem.problem).record()
-            line = result_line(dataset, problem, axis, engine.config, record)
+            trajectory = engine.solve(problem.problem)
+            line = result_line(label, problem.id, problem.answer, dataset.grade(problem.answer, trajectory.answer),
+                               axis.key, results_config(axis, engine.config), trajectory)
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()
             os.fsync(out.fileno())

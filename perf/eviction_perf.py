@@ -5,7 +5,7 @@ For each policy and budget (64, 256, 512): tokens/s over a 2,000-token generatio
 candidates decoded together, the share of wall time spent choosing and evicting (reading
 scores, keys and the cell map, scoring, seq_rm), and the resident KV bytes at the end vs full KV.
 
-Usage: python3 bench/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
+Usage: python3 perf/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
 """
 
 from __future__ import annotations
