@@ -67,12 +67,20 @@ class ConfigKey:
         return f"{self.mode} b{self.budget if self.budget is not None else '-'} n{self.n} {self.policy or '-'}"
 
     @property
+    def known_mode(self) -> Mode | None:
+        return Mode(self.mode) if self.mode in MODES else None
+
+    @property
     def uses_base(self) -> bool:
-        return self.mode not in MODES or Mode(self.mode).uses_base
+        return self.known_mode is None or self.known_mode.uses_base
 
     @property
     def uses_helper(self) -> bool:
-        return self.mode in MODES and Mode(self.mode).uses_helper
+        return self.known_mode is not None and self.known_mode.uses_helper
+
+    @property
+    def evicts(self) -> bool:
+        return self.known_mode is not None and self.known_mode.evicts
 
 
 def config_key(row: dict) -> ConfigKey:
