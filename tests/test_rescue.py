@@ -152,11 +152,9 @@ def test_solve_streams_steps_and_writes_the_trajectory(base_path, helper_path, t
     assert bad.exit_code != 0 and "N must be at least 1" in bad.output
 
 
-def test_ctrl_c_during_solve_leaves_no_output_file(looping_model, helper_path, tiny_prm_path, tmp_path):
+def test_ctrl_c_during_solve_leaves_no_output_file(base_path, helper_path, tiny_prm_path, tmp_path):
     out = tmp_path / "trajectory.json"
-    # a base that never ends its trajectory: the interrupt always lands mid-run (a random-weight base
-    # sampled end-of-sequence within a second of its first step, before a loaded machine sent the signal)
-    args = solve_args(looping_model.path, helper_path, tiny_prm_path, "--json", str(out))
+    args = solve_args(base_path, helper_path, tiny_prm_path, "--json", str(out))
     args[args.index("--max-tokens") + 1] = "100000"
     args[args.index("--max-step-tokens") + 1] = "200"
     args += ["--max-steps", "100000", "--mode", "full", "--n", "8"]
