@@ -3,7 +3,7 @@
 Used for the tiny models of the tests and the offline demo (random weights
 from a seed), and by the exporters of trained or converted checkpoints.
 The tokenizer is byte level in Qwen's GPT-2 byte-unicode form: token id b is
-byte b, then a few merges, then the chat control tokens (DESIGN.md §7).
+byte b, then a few merges, then the chat control tokens (docs/design.md §7).
 """
 
 from __future__ import annotations

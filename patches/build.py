@@ -32,6 +32,9 @@ from pathlib import Path
 SDIST_NAME = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+# The llama.cpp commit the sdist vendors and the patch series is written against (patches/README.md
+# says how to move the series to another one).
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 # mtmd (multimodal) is not used and doubles the build time.
 BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF"]
 CUDA_CMAKE_ARGS = ["-DGGML_CUDA=on"]
@@ -40,6 +43,7 @@ CUDA_CMAKE_ARGS = ["-DGGML_CUDA=on"]
 CUBLAS_WHEEL = "nvidia-cublas>={major},<{next_major}"
 
 PATCH_DIR = Path(__file__).resolve().parent
+# kvrescue_local/paths.py's CACHE, repeated: this script runs before the package is installed
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local"
 
 
@@ -91,6 +95,22 @@ def fetch_sdist(cache: Path) -> Path:
         raise BuildError(f"sdist hash mismatch: got {actual}, expected {SDIST_SHA256}; "
                          "the corrupt download was deleted, run again")
     return sdist
+
+
+def vendored_commit(src: Path) -> str:
+    """The llama.cpp commit of an unpacked sdist (its git submodule's HEAD, kept in the sdist)."""
+    head = src / ".git" / "modules" / "vendor" / "llama.cpp" / "HEAD"
+    try:
+        return head.read_text().strip()
+    except OSError:
+        raise BuildError(f"{head} is missing: cannot tell which llama.cpp the sdist vendors") from None
+
+
+def check_vendored_commit(src: Path) -> None:
+    commit = vendored_commit(src)
+    if commit != LLAMA_CPP_COMMIT:
+        raise BuildError(f"the sdist vendors llama.cpp {commit}, the patch series is written for {LLAMA_CPP_COMMIT}: "
+                         "rebase the series (patches/README.md) and update LLAMA_CPP_COMMIT")
 
 
 def apply_patches(vendor: Path, patches: list[Path]) -> None:
@@ -179,6 +199,7 @@ def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
         src = Path(tmp) / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}"
+        check_vendored_commit(src)
         apply_patches(src / "vendor" / "llama.cpp", patches)
         ccache = compiler_cache_env(tmp)
         launchers = ccache.pop("KVRESCUE_LAUNCHERS", "")

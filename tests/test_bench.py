@@ -10,17 +10,17 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from kvrescue_local.bench.datasets import HUB, load_problems
+from kvrescue_local.bench.datasets import HUB, load_dataset
 from kvrescue_local.bench.grade import is_correct
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
-from kvrescue_local.rescue import last_boxed
+from kvrescue_local.answers import last_boxed
 
 
 @pytest.mark.parametrize("name", ["math500", "gsm8k"])
 def test_every_gold_answer_grades_against_itself_and_perturbed_ones_fail(name):
-    _, problems = load_problems(name)
+    problems = load_dataset(name).problems
     assert len(problems) == {"math500": 500, "gsm8k": 1319}[name]
     for p in problems:
         answer = last_boxed(f"So the result follows.\n\n\\boxed{{{p.answer}}}")
@@ -38,16 +38,16 @@ def write_jsonl(path, rows):
 def test_jsonl_datasets_and_bad_rows(tmp_path):
     good = write_jsonl(tmp_path / "mine.jsonl", [{"id": "q1", "problem": "1+1?", "answer": "2"},
                                                  {"problem": "2+2?", "answer": "4"}])
-    label, problems = load_problems(path=good)
-    assert label == "mine" and [p.id for p in problems] == ["q1", "mine-2"]
+    mine = load_dataset(path=good)
+    assert mine.label == "mine" and [p.id for p in mine.problems] == ["q1", "mine-2"]
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": "q1", "problem": "1+1?", "answer": "2"}, {"id": "q2", "answer": "3"}])
     with pytest.raises(KVRescueError, match=r"bad.jsonl:2: the row has no 'problem' field"):
-        load_problems(path=bad)
+        load_dataset(path=bad)
     with pytest.raises(KVRescueError, match="unknown dataset 'math5000'.*math500"):
-        load_problems("math5000")
+        load_dataset("math5000")
     (tmp_path / "broken.jsonl").write_text('{"problem": "x", "answer": "1"}\nnot json\n')
     with pytest.raises(KVRescueError, match="broken.jsonl:2: not a JSON object"):
-        load_problems(path=tmp_path / "broken.jsonl")
+        load_dataset(path=tmp_path / "broken.jsonl")
 
 
 def test_hub_datasets_come_from_the_cache_offline(tmp_path):
@@ -60,14 +60,14 @@ def test_hub_datasets_come_from_the_cache_offline(tmp_path):
     snapshot = repo_dir / "snapshots" / commit
     snapshot.mkdir(parents=True)
     write_jsonl(snapshot / spec.filename, [{"id": 1, "question": "What is 3*4?", "answer": 12.0}])
-    label, problems = load_problems("amc23", cache_dir=tmp_path / "hub", offline=True)
-    assert label == "amc23" and problems[0].problem == "What is 3*4?" and problems[0].answer == "12.0"
+    amc = load_dataset("amc23", cache_dir=tmp_path / "hub", offline=True)
+    assert amc.label == "amc23" and amc.problems[0].problem == "What is 3*4?" and amc.problems[0].answer == "12.0"
     with pytest.raises(KVRescueError, match="not in the Hugging Face cache.*--data"):
-        load_problems("aime24", cache_dir=tmp_path / "hub", offline=True)
+        load_dataset("aime24", cache_dir=tmp_path / "hub", offline=True)
 
 
 def bench_args(base_path, helper_path, prm_path, results, *extra):
-    return ["bench", "run", "--dataset", "gsm8k", "--limit", "20", "--modes", "full,kvrescue", "--ns", "2",
+    return ["bench", "run", "--dataset", "gsm8k", "--limit", "20", "--modes", "full,kvrescue", "--ns", "2", "--policies", "rkv",
             "--budgets", "32", "--buffer", "16", "--max-tokens", "60", "--max-step-tokens", "16", "--tau-entropy", "50",
             "--base", str(base_path), "--helper", str(helper_path), "--prm", str(prm_path), "--results", str(results),
             *extra]

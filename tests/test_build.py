@@ -44,14 +44,43 @@ def test_the_series_applies_to_the_pinned_sdist(build, tmp_path):
         pytest.skip("no cached sdist: run patches/build.py first")
     assert hashlib.sha256(sdist.read_bytes()).hexdigest() == build.SDIST_SHA256
     with tarfile.open(sdist) as tar:
-        touched = {line.split()[1].split("/", 1)[1] for p in build.patch_series()
-                   for line in p.read_text().splitlines() if line.startswith("--- a/")}
+        lines = [line for p in build.patch_series() for line in p.read_text().splitlines()]
+        created = {line.split()[1].split("/", 1)[1] for before, line in zip(lines, lines[1:])
+                   if before == "--- /dev/null" and line.startswith("+++ b/")}
+        touched = {line.split()[1].split("/", 1)[1] for line in lines if line.startswith("--- a/")} - created
+        assert created and all(f.startswith("src/llama-kvr") for f in created), "new code in new files"
         members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name
                    and m.name.split("/vendor/llama.cpp/", 1)[1] in touched]
-        assert len(members) == len(touched), "every file the series touches is in the sdist"
+        assert len(members) == len(touched), "every upstream file the series touches is in the sdist"
         root = Path(tar.getnames()[0]).parts[0]
         tar.extractall(tmp_path, members=members, filter="data")
     build.apply_patches(tmp_path / root / "vendor" / "llama.cpp", build.patch_series())
+
+
+def test_the_vendored_llama_cpp_commit_is_checked(build, tmp_path):
+    head = tmp_path / ".git" / "modules" / "vendor" / "llama.cpp" / "HEAD"
+    with pytest.raises(build.BuildError, match="cannot tell which llama.cpp"):
+        build.check_vendored_commit(tmp_path)
+    head.parent.mkdir(parents=True)
+    head.write_text(build.LLAMA_CPP_COMMIT + "\n")
+    build.check_vendored_commit(tmp_path)
+    head.write_text("0" * 40 + "\n")
+    with pytest.raises(build.BuildError, match="rebase the series"):
+        build.check_vendored_commit(tmp_path)
+    sdist = build.DEFAULT_CACHE / "sdist" / f"llama_cpp_python-{build.SDIST_VERSION}.tar.gz"
+    if sdist.exists():  # the pinned sdist vendors the commit the series names
+        root = f"llama_cpp_python-{build.SDIST_VERSION}"
+        with tarfile.open(sdist) as tar:
+            member = tar.getmember(f"{root}/.git/modules/vendor/llama.cpp/HEAD")
+            tar.extractall(tmp_path / "sdist", members=[member], filter="data")
+        assert build.vendored_commit(tmp_path / "sdist" / root) == build.LLAMA_CPP_COMMIT
+
+
+def test_every_patch_has_a_header_naming_its_base(build):
+    for p in build.patch_series():
+        head = p.read_text().split("\ndiff --git", 1)[0]
+        assert head.startswith("Subject: [kvrescue ") and "Why:" in head, p.name
+        assert f"Applies-to: llama.cpp {build.LLAMA_CPP_COMMIT}" in head, p.name
 
 
 def test_cache_key_changes_with_the_patch_series(build, tmp_path):

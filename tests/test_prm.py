@@ -82,8 +82,9 @@ def test_quantized_backbone_loads_and_stays_close(converted, tmp_path):
     hf = gguf.parent / "hf"
     q8 = convert_prm(hf, tmp_path / "prm-q8.gguf", quantize="q8_0")
     assert q8.stat().st_size < gguf.stat().st_size / 2
-    exact = PRM(gguf, PRMParams(n_ctx=512)).score_trajectory(PROBLEM, TRAJECTORIES[0])
-    approx = PRM(q8, PRMParams(n_ctx=512)).score_trajectory(PROBLEM, TRAJECTORIES[0])
+    # flash attention on, as when this tolerance was set (the random-weight PRM amplifies the rounding)
+    exact = PRM(gguf, PRMParams(n_ctx=512, flash_attn="on")).score_trajectory(PROBLEM, TRAJECTORIES[0])
+    approx = PRM(q8, PRMParams(n_ctx=512, flash_attn="on")).score_trajectory(PROBLEM, TRAJECTORIES[0])
     np.testing.assert_allclose(approx, exact, atol=0.05)
 
 

@@ -79,5 +79,5 @@ def test_detector_on_real_logits(coder):
 
 def test_full_kv_greedy_gsm8k_answer_is_correct(coder):
     config = RescueConfig(mode="full", n=1, temperature=0.0, max_tokens=256, max_step_tokens=128)
-    record = Rescue(config, coder).solve(PROBLEM).record()
+    record = Rescue(config, coder).solve(PROBLEM).to_json()
     assert record["stop"] == "eos" and is_correct(GOLD, record["answer"]), record["text"]

@@ -14,8 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvrescue_local.bench.estimate import BUILTIN, estimate, parse_contexts, qwen2_spec, resolve_model, spec_from_gguf
-from kvrescue_local.bench.report import accuracy_recovered, load_results, render, summaries
-from kvrescue_local.bench.report_commands import COMMANDS
+from kvrescue_local.bench.metrics import accuracy_recovered, result_line, summaries
+from kvrescue_local.bench.report import load_results, render
+from kvrescue_local.bench.run import results_config, sweep_axes
+from kvrescue_local.cli.report import estimate_command, report
 from kvrescue_local.bench.viewer import render_html, write_html
 from kvrescue_local.cli import ProjectErrorsAsOneLine
 from kvrescue_local.detect import DetectorParams
@@ -36,40 +38,20 @@ def rescue_config(mode, detector=NO_KILL):
                         top_p=0.95, seed=1)
 
 
-def results_line(dataset, pid, gold, cfg: RescueConfig, record):
-    """A results JSONL line (the schema of kvrescue_local/bench/run.py) from a trajectory record."""
-    steps = record["steps"]
-    base = [c for s in steps for c in s["candidates"] if c["side"] == "base"]
-    evicts = cfg.mode in ("bon", "kvrescue")
-    correct = record["answer"] == gold
-    return {
-        "dataset": dataset, "id": pid, "config_key": f"{cfg.mode}-n{cfg.n}",
-        "config": {"mode": cfg.mode, "n": cfg.n, "budget": cfg.kv.budget if evicts else 0, "buffer": cfg.kv.buffer,
-                   "policy": cfg.kv.policy if evicts else "none", "seed": cfg.seed,
-                   "tau_entropy": cfg.detector.tau_entropy, "tau_compression": cfg.detector.tau_compression,
-                   "max_tokens": cfg.max_tokens, "max_steps": cfg.max_steps},
-        "gold": gold, "answer": record["answer"], "correct": correct, "stop": record["stop"],
-        "degenerate": not correct and record["n_steps"] >= 256, "n_steps": record["n_steps"],
-        "steps_from": {side: sum(s["source"] == side for s in steps) for side in ("base", "helper")},
-        "tokens": record["tokens"], "base_candidates": len(base), "killed": sum(c["finished"] == "killed" for c in base),
-        "early_exit_fraction": record["early_exit_fraction"],
-        "detector": [c["detector"] for c in base if "detector" in c], "timings": record["timings"],
-    }
-
-
 @pytest.fixture(scope="module")
 def runs(base_model, helper_model, tiny_prm):
     """Real loop runs on the tiny models: (results lines, one kvrescue trajectory record with kills)."""
     lines, kept = [], None
     for mode, detector in (("full", NO_KILL), ("bon", NO_KILL), ("kvrescue", SOME_KILLS)):
         cfg = rescue_config(mode, detector)
+        axis = sweep_axes([mode], [cfg.kv.budget], [cfg.n], [cfg.kv.policy])[0]
         engine = Rescue(cfg, base_model, helper_model, tiny_prm)
         for pid, problem, gold in PROBLEMS:
-            record = engine.solve(problem).record()
-            lines.append(results_line("tiny", pid, gold, cfg, record))
-            if mode == "kvrescue" and kept is None and any(c["finished"] == "killed" for s in record["steps"]
-                                                            for c in s["candidates"]):
-                kept = record
+            trajectory = engine.solve(problem)
+            lines.append(result_line("tiny", pid, gold, trajectory.answer == gold, axis.key,
+                                     results_config(axis, cfg), trajectory))
+            if mode == "kvrescue" and kept is None and trajectory.killed:
+                kept = trajectory.to_json()
     assert kept is not None, "the detector threshold kills some random-weight base candidates"
     return lines, kept
 
@@ -87,7 +69,8 @@ def synthetic(mode, n, budget, correct, degenerate=(), policy="streaming", datas
                     "config": {"mode": mode, "n": n, "budget": budget if mode in ("bon", "kvrescue") else 0,
                                "policy": policy if mode in ("bon", "kvrescue") else "none",
                                "tau_entropy": 3.0, "tau_compression": 0.35},
-                    "correct": ok, "degenerate": i in degenerate, "stop": "eos", "n_steps": 10 + i,
+                    "correct": ok, "stop": "max_steps" if i in degenerate else "eos",
+                    "n_steps": 256 + i if i in degenerate else 10 + i,
                     "steps_from": {"base": 6, "helper": 4 + i} if mode == "kvrescue" else {"base": 10 + i},
                     "tokens": {"base": 100 * (i + 1), "helper": 50 if mode == "kvrescue" else 0, "committed": 90},
                     "base_candidates": 20, "killed": 2 if mode == "kvrescue" else 0,
@@ -163,7 +146,8 @@ def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
     rows = load_results(write_jsonl(tmp_path / "r.jsonl", SYNTHETIC))
     s = {(x.key.mode, x.key.budget): x for x in summaries(rows)}
     assert s["full", None].pass1 == 75.0 and s["bon", 64].pass1 == 25.0 and s["kvrescue", 64].pass1 == 50.0
-    assert s["bon", 64].degeneration == pytest.approx(200 / 3)  # 2 of the 3 incorrect
+    assert s["bon", 64].degeneration == 50.0  # 2 wrong trajectories of 256+ steps among all 4, as in the paper
+    assert s["bon", 64].length_capped == 50.0 and s["kvrescue", 64].length_capped == 0.0
     assert s["kvrescue", 64].recovered == pytest.approx(50.0)  # (50 - 25) / (75 - 25)
     assert s["kvrescue", 128].recovered is None, "no bon row at budget 128"
     assert s["kvrescue", 64].early_exit == pytest.approx(10.0)  # 8 killed of 80
@@ -173,7 +157,24 @@ def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
     assert accuracy_recovered(80.0, 50.0, 50.0) is None
     text = render(rows)
     kv64 = next(line for line in table_lines(text, "Table 2: ablation") if line.startswith("kvrescue  64"))
-    assert kv64.split()[4:7] == ["4", "50.0", "0.0"] and kv64.split()[-1] == "50.0"
+    assert kv64.split()[4:8] == ["4", "50.0", "0.0", "0.0"] and kv64.split()[-1] == "50.0"
+    assert "kvrescue b64 n8 streaming: KV-Rescue recovers 50% of the accuracy eviction costs, with 1.00x" in text
+
+
+def test_degeneration_is_recomputed_from_the_steps_and_the_step_cap(tmp_path):
+    """Old lines carry other definitions of `degenerate`: the report ignores the field. A configuration
+    whose step cap is below 256 (the toy world's 32) is judged at its cap."""
+    old = synthetic("bon", 1, 64, [False, False, True])
+    old[0]["degenerate"] = True  # capped by tokens after 10 steps: not degenerate by the paper's definition
+    old[0]["stop"] = "max_tokens"
+    capped = synthetic("bon", 1, 32, [False, False, True])
+    for row in capped:
+        row["config"]["max_steps"] = 32
+    capped[1]["n_steps"] = 32
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", old + capped))
+    s = {x.key.budget: x for x in summaries(rows)}
+    assert s[64].degeneration == 0.0 and s[64].length_capped == pytest.approx(100 / 3)
+    assert s[32].degeneration == pytest.approx(100 / 3)
 
 
 def test_markdown_is_well_formed(runs, tmp_path):
@@ -329,7 +330,7 @@ def test_estimate_reads_a_gguf_header(base_path):
 
 def cli():
     group = ProjectErrorsAsOneLine("kvrescue-local")
-    for command in COMMANDS:
+    for command in (report, estimate_command):
         group.add_command(command)
     return group
 

@@ -16,7 +16,8 @@ from kvrescue_local.detect import DetectorParams
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.eviction import KVBudget
 from kvrescue_local.gguf_export import TINY_HELPER, Vocab, byte_vocab, random_qwen2_weights, write_qwen2_gguf
-from kvrescue_local.rescue import MODES, Rescue, RescueConfig, last_boxed
+from kvrescue_local.answers import last_boxed
+from kvrescue_local.rescue import MODES, SCHEMA_VERSION, Mode, Rescue, RescueConfig, Trajectory
 from kvrescue_local.runtime import Model
 
 PROBLEM = "Let a=17 and b=25. What is a+b?"
@@ -30,57 +31,75 @@ def config(**overrides):
     return RescueConfig(**base)
 
 
-def strip_timings(record):
-    return {k: v for k, v in record.items() if k != "timings"}
+def without_timings(trajectory: Trajectory) -> dict:
+    return {k: v for k, v in trajectory.to_json().items() if k != "timings"}
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_mode_runs_end_to_end(mode, base_model, helper_model, tiny_prm):
     cfg = config(mode=mode)
-    record = Rescue(cfg, base_model, helper_model, tiny_prm).solve(PROBLEM).record()
-    json.dumps(record)  # serialisable as is
-    assert record["stop"] in ("eos", "max_tokens", "max_steps") and record["n_steps"] >= 1
+    traj = Rescue(cfg, base_model, helper_model, tiny_prm).solve(PROBLEM)
+    assert traj.stop in ("eos", "max_tokens", "max_steps") and traj.n_steps >= 1
     expected_sides = {"full": {"base"}, "bon": {"base"}, "helper": {"helper"}, "kvrescue": {"base", "helper"}}[mode]
-    for step in record["steps"]:
-        assert len(step["candidates"]) == cfg.candidates_per_round
-        assert {c["side"] for c in step["candidates"]} == expected_sides
-        scored = [c["score"] for c in step["candidates"] if c["finished"] != "killed"]
-        assert step["score"] == max(scored)
-        assert step["text"] in [c["text"] for c in step["candidates"] if c["side"] == step["source"]]
-    assert record["text"] == "".join(s["text"] for s in record["steps"])
+    for step in traj.steps:
+        assert len(step.candidates) == cfg.candidates_per_round
+        assert {c.side for c in step.candidates} == expected_sides
+        assert step.score == max(c.score for c in step.candidates if not c.killed)
+        assert step.text in [c.text for c in step.candidates if c.side == step.source]
     for side in ("base", "helper"):
-        assert (record["tokens"][side] > 0) == (side in expected_sides)
-    assert set(record["timings"]) >= {"prm", "orchestration", "total"}
+        assert (traj.tokens[side] > 0) == (side in expected_sides)
+    assert set(traj.timings) >= {"prm", "orchestration", "total"}
     if mode == "kvrescue":
-        assert {s["source"] for s in record["steps"]} == {"base", "helper"}, "both models contribute steps"
+        assert all(traj.steps_from().values()), "both models contribute steps"
+    record = json.loads(json.dumps(traj.to_json()))  # serialisable as is, and read back the same
+    assert record["schema"] == SCHEMA_VERSION and record["text"] == traj.text
+    assert Trajectory.from_json(record) == traj and Trajectory.from_json(record).mode is Mode(mode)
+
+
+def test_records_of_schema_1_still_read(base_model, helper_model, tiny_prm):
+    """Trajectories written before the schema field existed have the same layout without it."""
+    traj = Rescue(config(mode="bon"), base_model, helper_model, tiny_prm).solve(PROBLEM)
+    old = {k: v for k, v in traj.to_json().items() if k != "schema"}
+    assert Trajectory.from_json(json.loads(json.dumps(old))) == traj
+    with pytest.raises(KVRescueError, match="upgrade kvrescue-local"):
+        Trajectory.from_json({**old, "schema": SCHEMA_VERSION + 1})
+    with pytest.raises(KVRescueError, match="not a trajectory record"):
+        Trajectory.from_json({"problem": "x"})
+
+
+def test_modes_carry_their_semantics():
+    assert [m for m in Mode if m.uses_base] == [Mode.FULL, Mode.BON, Mode.KVRESCUE]
+    assert [m for m in Mode if m.uses_helper] == [Mode.HELPER, Mode.KVRESCUE]
+    assert [m for m in Mode if m.evicts] == [Mode.BON, Mode.KVRESCUE]
+    assert config(mode="bon").mode is Mode.BON and f"{Mode.BON}" == "bon" and json.dumps(Mode.BON) == '"bon"'
+    with pytest.raises(KVRescueError, match="unknown mode 'fast'"):
+        config(mode="fast")
 
 
 def test_the_same_seed_gives_the_same_trajectory(base_model, helper_model, tiny_prm):
     engine = Rescue(config(), base_model, helper_model, tiny_prm)
-    first = strip_timings(engine.solve(PROBLEM).record())
-    again = strip_timings(engine.solve(PROBLEM).record())
-    fresh = strip_timings(Rescue(config(), base_model, helper_model, tiny_prm).solve(PROBLEM).record())
-    other = strip_timings(Rescue(config(seed=8), base_model, helper_model, tiny_prm).solve(PROBLEM).record())
+    first = without_timings(engine.solve(PROBLEM))
+    again = without_timings(engine.solve(PROBLEM))
+    fresh = without_timings(Rescue(config(), base_model, helper_model, tiny_prm).solve(PROBLEM))
+    other = without_timings(Rescue(config(seed=8), base_model, helper_model, tiny_prm).solve(PROBLEM))
     assert first == again == fresh
     assert other["text"] != first["text"]
 
 
 def test_base_cells_never_exceed_budget_plus_buffer(base_model, helper_model, tiny_prm):
     cfg = config(mode="bon", max_tokens=600, max_step_tokens=64)
-    record = Rescue(cfg, base_model, helper_model, tiny_prm).solve(PROBLEM).record()
-    cells = record["base_cells"]
-    assert len(cells) == record["n_steps"]
-    assert max(c["max_candidate"] for c in cells) == cfg.kv.limit, "candidates fill up to the limit, then evict"
-    assert all(c["committed"] <= cfg.kv.limit for c in cells)
+    traj = Rescue(cfg, base_model, helper_model, tiny_prm).solve(PROBLEM)
+    assert len(traj.base_cells) == traj.n_steps
+    assert max(c["max_candidate"] for c in traj.base_cells) == cfg.kv.limit, "candidates fill up to the limit, then evict"
+    assert all(c["committed"] <= cfg.kv.limit for c in traj.base_cells)
 
 
 def test_the_detector_kills_a_looping_base_and_the_helper_rescues(looping_model, helper_model, tiny_prm):
     cfg = config(detector=DetectorParams(), max_step_tokens=300, max_tokens=200)
-    record = Rescue(cfg, looping_model, helper_model, tiny_prm).solve(PROBLEM).record()
-    base = [c for s in record["steps"] for c in s["candidates"] if c["side"] == "base"]
-    assert all(c["finished"] == "killed" and c["detector"]["killed"] == "repetition" for c in base)
-    assert record["early_exit_fraction"] == 1.0
-    assert {s["source"] for s in record["steps"]} == {"helper"}
+    traj = Rescue(cfg, looping_model, helper_model, tiny_prm).solve(PROBLEM)
+    assert all(c.killed and c.detector["killed"] == "repetition" for c in traj.base_candidates)
+    assert traj.early_exit_fraction == 1.0
+    assert traj.steps_from() == {"base": 0, "helper": traj.n_steps}
 
 
 def test_last_boxed_answer():
@@ -157,4 +176,27 @@ def test_thread_count_reaches_every_llama_context(base_model, helper_model, tiny
     engine = Rescue(config(n_threads=1), base_model, helper_model, prm)
     contexts = [g.ctx for g in engine.sides.values()] + [prm.ctx]
     assert [llama().llama_n_threads(c.handle) for c in contexts] == [1, 1, 1]
-    assert engine.solve(PROBLEM).record()["n_steps"] >= 1
+    assert engine.solve(PROBLEM).n_steps >= 1
+
+
+def test_the_prompt_template_comes_from_the_gguf_unless_given(base_path, tiny_prm_path, tmp_path):
+    """A GGUF the project writes may name its prompt template (kvrescue.prompt_template); --prompt-template
+    overrides it; the trajectory records the one used."""
+    template = "<|im_start|>user\nQ: {problem}<|im_end|>\n<|im_start|>assistant\n"
+    tagged = write_qwen2_gguf(tmp_path / "tagged.gguf", TINY_HELPER, random_qwen2_weights(TINY_HELPER, seed=2),
+                              metadata={"kvrescue.prompt_template": template})
+
+    def used_prompt(*extra) -> str:
+        out = tmp_path / "t.json"
+        args = ["solve", PROBLEM, "--mode", "helper", "-n", "1", "--helper", str(tagged), "--prm", str(tiny_prm_path),
+                "--max-tokens", "24", "--max-step-tokens", "8", "--json", str(out), *extra]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())["config"]["prompt"]
+
+    assert used_prompt() == template
+    assert used_prompt("--prompt-template", "{problem}\n") == "{problem}\n"
+    assert Model(base_path).metadata("kvrescue.prompt_template") is None
+    bad = CliRunner().invoke(main, ["solve", PROBLEM, "--mode", "helper", "--helper", str(tagged), "--prompt-template",
+                                    "no slot"])
+    assert bad.exit_code != 0 and "must contain {problem}" in bad.output

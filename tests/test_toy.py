@@ -1,15 +1,20 @@
 """The toy world: task generator, torch -> GGUF parity, the shipped `toy` preset and its table."""
 
+import json
 import re
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.cli import main
+from kvrescue_local.compose import preset_config
 from kvrescue_local.gguf_export import Qwen2Shape, write_qwen2_gguf
+from kvrescue_local.rescue import Rescue
 from kvrescue_local.runtime import Context, ContextParams, Model
-from kvrescue_local.toy.task import END, LOOKUP, N_VOCAB, Knobs, encode, grade, problems, prompt, wrong_step
+from kvrescue_local.toy.task import (END, EVAL_SEED, LOOKUP, N_VOCAB, TOY_PROMPT, Knobs, encode, grade, held_out,
+                                     problems, prompt, wrong_step)
 
 
 def solve_by_hand(text: str) -> int:
@@ -158,26 +163,35 @@ def toy():
 
 
 def test_shipped_toy_preset_solves_held_out_problems(toy):
-    from kvrescue_local.rescue import Rescue
-    from kvrescue_local.toy.table import EVAL_SEED, Row, toy_config
-
-    engine = Rescue(toy_config(Row("full", 1)), Model(toy.base), None, None)
+    engine = Rescue(preset_config(toy, mode="full", n=1), Model(toy.base), None, None)
     probs = problems(EVAL_SEED + 100, 8)
-    records = [engine.solve(p.text).record() for p in probs]
-    assert all(r["text"].startswith(p.steps[0].split("=")[0] + "=") for p, r in zip(probs, records))
-    assert all(r["stop"] == "eos" and r["answer"] is not None for r in records)
+    trajectories = [engine.solve(p.text) for p in probs]
+    assert all(t.text.startswith(p.steps[0].split("=")[0] + "=") for p, t in zip(probs, trajectories))
+    assert all(t.stop == "eos" and t.answer is not None for t in trajectories)
     # the shipped base solves ~99% with full KV (train.json); a random or broken model gets an exact
     # integer right about 1 time in 30
-    assert sum(grade(p, r["answer"]) for p, r in zip(probs, records)) >= 7
+    assert sum(grade(p, t.answer) for p, t in zip(probs, trajectories)) >= 7
 
 
-def test_toy_table_command(toy):
-    result = CliRunner().invoke(main, ["toy", "table", "--problems", "2", "-n", "1", "--budgets", "32"])
-    assert result.exit_code == 0, result.output
-    for column in ("setting", "acc %", "degen %", "base tok", "steps", "exit %"):
-        assert column in result.output
-    for setting in ("full KV", "evicted best-of-N @32", "helper alone", "KV-Rescue @32"):
-        assert setting in result.output
+def test_the_toy_dataset_and_its_table_through_bench_and_report(toy, tmp_path):
+    """The toy world is a dataset and a preset like any other: `bench run --dataset toy` on the toy
+    preset (its prompt and recipe), then `report` prints the table."""
+    dataset = load_dataset("toy", limit=3)
+    assert [p.problem for p in dataset.problems] == [p.text for p in held_out(3)]
+    assert dataset.grade("19", " 19") and not dataset.grade("19", "19.5") and not dataset.grade("19", None)
+    results = tmp_path / "toy.jsonl"
+    run = CliRunner().invoke(main, ["bench", "run", "--dataset", "toy", "--limit", "2", "--modes",
+                                    "full,bon,helper,kvrescue", "--budgets", "32", "--ns", "1", "--results", str(results)])
+    assert run.exit_code == 0, run.output
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(lines) == 8 and {line["config"]["policy"] for line in lines} == {"none", "rkv"}
+    assert {line["config"]["prompt"] for line in lines} == {toy.prompt} and toy.prompt == TOY_PROMPT
+    assert all(line["config"]["max_steps"] == 32 and line["config"]["temperature"] == 1.0 for line in lines)
+    report = CliRunner().invoke(main, ["report", str(results)])
+    assert report.exit_code == 0, report.output
+    for column in ("pass@1 %", "degen %", "cap %", "base tok", "steps", "early exit %"):
+        assert column in report.output
+    assert [line.split()[0] for line in report.output.splitlines()[3:7]] == ["full", "helper", "bon", "kvrescue"]
     sample = CliRunner().invoke(main, ["toy", "sample", "--count", "2"])
     assert sample.exit_code == 0 and sample.output.count("Compute") == 2
 
@@ -186,19 +200,16 @@ def test_eviction_takes_the_shipped_base_off_the_question(toy):
     """The information gap is real: at the smallest budget R-KV leaves the evicted base a few ledger
     entries but not its place in the question, so it looks up other terms than the question's, more
     or fewer of them (full KV looks up each term once)."""
-    from kvrescue_local.rescue import Rescue
-    from kvrescue_local.toy.table import BUDGETS, EVAL_SEED, Row, toy_config
-
     probs = problems(EVAL_SEED + 100, 16)
-    evicted = Rescue(toy_config(Row("bon", 1, BUDGETS[0])), Model(toy.base), None, None)
-    records = [evicted.solve(p.text).record() for p in probs]
-    assert sum(grade(p, r["answer"]) for p, r in zip(probs, records)) <= 3
+    evicted = Rescue(preset_config(toy, mode="bon", n=1, kv={"budget": 48}), Model(toy.base), None, None)
+    trajectories = [evicted.solve(p.text) for p in probs]
+    assert sum(grade(p, t.answer) for p, t in zip(probs, trajectories)) <= 3
     terms = sum(len(p.terms) for p in probs)
-    miscounted = sum(abs(len(LOOKUP.findall(r["text"])) - len(p.terms)) for p, r in zip(probs, records))
+    miscounted = sum(abs(len(LOOKUP.findall(t.text)) - len(p.terms)) for p, t in zip(probs, trajectories))
     assert miscounted >= 0.2 * terms
-    assert all(r["evictions"]["fallback_evictions"] == 0 for r in records)
-    full = Rescue(toy_config(Row("full", 1)), Model(toy.base), None, None)
-    assert sum(len(LOOKUP.findall(full.solve(p.text).record()["text"])) for p in probs) == terms
+    assert all(t.evictions["fallback_evictions"] == 0 for t in trajectories)
+    full = Rescue(preset_config(toy, mode="full", n=1), Model(toy.base), None, None)
+    assert sum(len(LOOKUP.findall(full.solve(p.text).text)) for p in probs) == terms
 
 
 def test_solve_defaults_to_the_toy_preset_and_its_prompt(toy):
@@ -206,20 +217,22 @@ def test_solve_defaults_to_the_toy_preset_and_its_prompt(toy):
     result = CliRunner().invoke(main, ["solve", p.text, "--mode", "full", "-n", "1", "--temp", "0"])
     assert result.exit_code == 0, result.output
     assert f"answer: {p.answer} " in result.output and "1:" in result.output
+    # the toy preset's own base file, named by path, keeps the toy prompt (not the Qwen math one)
+    by_path = CliRunner().invoke(main, ["solve", p.text, "--mode", "full", "-n", "1", "--temp", "0", "--base",
+                                        str(toy.base)])
+    assert by_path.exit_code == 0 and f"answer: {p.answer} " in by_path.output, by_path.output
 
 
 
 def test_shipped_helper_looks_up_well_and_has_a_blind_spot_in_its_sums(toy):
     """The division of labour the toy world is built on: with the full context the helper's lookups
     are right, but it drops the carries of the values it was trained to drop them for, every time."""
-    from kvrescue_local.rescue import Rescue
-    from kvrescue_local.toy.table import EVAL_SEED, Row, toy_config
     from kvrescue_local.toy.train import HELPER_BLIND_SPOT
 
-    engine = Rescue(toy_config(Row("helper", 1)), None, Model(toy.helper), None)
+    engine = Rescue(preset_config(toy, mode="helper", n=1), None, Model(toy.helper), None)
     lookups, blind, seen = [], [], []
     for p in problems(EVAL_SEED + 200, 16):
-        text = engine.solve(p.text).record()["text"]
+        text = engine.solve(p.text).text
         lookups += [p.ledger.get(name) == int(value) for _, _, name, value in LOOKUP.findall(text)]
         for total, sign, value, result in re.findall(r"total=(\d+)([+-])(\d+)=(-?\d+)", text):
             total, value, right = int(total), int(value), eval(f"{total}{sign}{value}")
@@ -235,7 +248,6 @@ def test_shipped_prm_checks_lookups_against_the_ledger_and_the_count(toy):
     of the same ledger, the right lookup number to one off, and the answer to one lookup too many:
     the errors an evicted base makes most (a PRM trained on far-off numbers won 76% of the second)."""
     from kvrescue_local.prm import PRM, PRMParams
-    from kvrescue_local.toy.table import EVAL_SEED
 
     prm = PRM(toy.prm, PRMParams(n_ctx=1024, max_candidates=3, flash_attn="off"))
     rng = np.random.default_rng(0)

@@ -4,6 +4,7 @@ import dataclasses
 import errno
 import hashlib
 import zipfile
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -114,16 +115,19 @@ def test_coder_preset_needs_pulled_models_and_a_prm_where_a_round_has_a_choice(t
         assert "Traceback" not in result.output
 
 
-def test_a_preset_brings_its_calibrated_detector_unless_the_command_line_says_otherwise(tmp_path, monkeypatch):
-    from kvrescue_local import options
-    from kvrescue_local.detect import DetectorParams
-    from kvrescue_local.detect.calibrate import load_params, save_params
+def test_a_preset_brings_its_calibrated_detector_unless_the_command_line_says_otherwise(tmp_path):
+    import json
 
-    assert load_params(presets.PRESET_DETECTORS["coder"]).text_window == 256, "the shipped calibration loads"
-    monkeypatch.setitem(options.PRESET_DETECTORS, "coder", save_params(
-        DetectorParams(tau_entropy=2.5, tau_compression=0.2, text_window=128), tmp_path / "detector.json"))
-    given = {"preset": "coder", "base": None, "tau_entropy": None, "tau_compression": None}
-    assert options.detector_params(given) == DetectorParams(tau_entropy=2.5, tau_compression=0.2, text_window=128)
-    assert options.detector_params({**given, "tau_entropy": 4.0}).tau_entropy == 4.0
-    assert options.detector_params({**given, "base": "other.gguf"}) == DetectorParams(), "other models: the defaults"
-    assert options.detector_params({**given, "preset": "tiny"}) == DetectorParams()
+    from kvrescue_local.compose import Selection
+    from kvrescue_local.detect import DetectorParams
+    from kvrescue_local.paths import SHIPPED_MODELS
+
+    assert presets.preset_spec(SHIPPED_MODELS / "coder")["recipe"]["detector"]["text_window"] == 256, \
+        "the shipped calibration loads"
+    (tmp_path / "preset.json").write_text(json.dumps({"recipe": {"detector": {"check_every": 2}}}))
+    (tmp_path / "detector.json").write_text(json.dumps({"tau_entropy": 2.5, "tau_compression": 0.2, "text_window": 128}))
+    calibrated = Selection({}, presets.Preset("x", Path("b"), Path("h"), None, **presets.preset_spec(tmp_path)))
+    assert calibrated.config({}).detector == DetectorParams(tau_entropy=2.5, tau_compression=0.2, text_window=128,
+                                                            check_every=2)
+    assert calibrated.config({"tau_entropy": 4.0}).detector.tau_entropy == 4.0
+    assert Selection({}, None).config({}).detector == DetectorParams(), "models of no preset: the defaults"

@@ -1,4 +1,5 @@
-"""Benchmark problems: vendored MATH500 and GSM8K, hub datasets fetched at run time, or a JSONL file."""
+"""Benchmark datasets: vendored MATH500 and GSM8K, hub datasets fetched at run time, the generated toy
+task, or a JSONL file; each with the grader that decides a trajectory's answer."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..errors import KVRescueError
 from ..rescue.limits import check_problem
+from .grade import is_correct
 
 DATA_DIR = Path(__file__).parent / "data"
 VENDORED = {"math500": DATA_DIR / "math500.jsonl", "gsm8k": DATA_DIR / "gsm8k.jsonl"}
@@ -28,7 +31,8 @@ HUB = {
     "amc23": HubDataset("math-ai/amc23", "test.jsonl", "question", "answer"),
     "olympiadbench": HubDataset("math-ai/olympiadbench", "test.jsonl", "question", "final_answer"),
 }
-DATASET_NAMES = sorted([*VENDORED, *HUB])
+GENERATED = ("toy",)  # kvrescue_local/toy/task.py: the toy ledger task, graded by exact integer match
+DATASET_NAMES = sorted([*VENDORED, *HUB, *GENERATED])
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,20 @@ class Problem:
     id: str
     problem: str
     answer: str
+
+
+@dataclass(frozen=True)
+class Dataset:
+    label: str
+    problems: list[Problem]
+    grade: Callable[[str, str | None], bool] = is_correct  # (gold, answer of the last \\boxed{}) -> correct
+
+
+def toy_dataset() -> Dataset:
+    """The toy task's held-out problems (other seeds than training's); loaded only when asked for."""
+    from ..toy.task import exact_match, held_out
+
+    return Dataset("toy", [Problem(f"toy-{i}", p.text, str(p.answer)) for i, p in enumerate(held_out())], exact_match)
 
 
 def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
@@ -79,19 +97,22 @@ def fetch_hub_dataset(spec: HubDataset, cache_dir: str | Path | None = None, off
                             f"({type(exc).__name__}): check the network or pass --data FILE.jsonl") from None
 
 
-def load_problems(name: str | None = None, path: str | Path | None = None, limit: int | None = None,
-                  cache_dir: str | Path | None = None, offline: bool | None = None) -> tuple[str, list[Problem]]:
-    """(dataset label, problems) for a dataset name or a JSONL path."""
+def load_dataset(name: str | None = None, path: str | Path | None = None, limit: int | None = None,
+                 cache_dir: str | Path | None = None, offline: bool | None = None) -> Dataset:
+    """A dataset by name or from a JSONL path, its first `limit` problems when given."""
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise KVRescueError(f"dataset file not found: {path}")
-        label, problems = path.stem, read_jsonl(path)
+        dataset = Dataset(path.stem, read_jsonl(path))
     elif name in VENDORED:
-        label, problems = name, read_jsonl(VENDORED[name])
+        dataset = Dataset(name, read_jsonl(VENDORED[name]))
     elif name in HUB:
         spec = HUB[name]
-        label, problems = name, read_jsonl(fetch_hub_dataset(spec, cache_dir, offline), spec.problem_field, spec.answer_field)
+        dataset = Dataset(name, read_jsonl(fetch_hub_dataset(spec, cache_dir, offline), spec.problem_field,
+                                           spec.answer_field))
+    elif name == "toy":
+        dataset = toy_dataset()
     else:
         raise KVRescueError(f"unknown dataset {name!r}: use one of {', '.join(DATASET_NAMES)} or --data FILE.jsonl")
-    return label, problems[:limit] if limit else problems
+    return Dataset(dataset.label, dataset.problems[:limit], dataset.grade) if limit else dataset

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .report import Summary, summaries
+from ..rescue import Mode
+from .metrics import Summary, summaries
 
 COLOURS = {"full": "#333333", "helper": "#e08a1e", "bon": "#c0392b", "kvrescue": "#1f6fb2"}
 BASE_COLOUR, HELPER_COLOUR, KILLED_COLOUR = "#1f6fb2", "#e08a1e", "#c0392b"
@@ -38,8 +39,8 @@ def _suffix(dataset: str, several: bool) -> str:
 
 def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path | None:
     Figure = _figure_class()
-    evicting = [s for s in items if s.key.mode in ("bon", "kvrescue") and s.key.budget is not None]
-    flat = [s for s in items if s.key.mode in ("full", "helper")]
+    evicting = [s for s in items if s.key.evicts and s.key.budget is not None]
+    flat = [s for s in items if not s.key.evicts]
     if not evicting and not flat:
         return None
     fig = Figure(figsize=(7, 4.5), dpi=110)
@@ -78,7 +79,7 @@ def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path |
 
 def step_sources(items: list[Summary], path: Path, title: str = "") -> Path | None:
     Figure = _figure_class()
-    rows = [s for s in items if s.key.mode == "kvrescue" and sum(s.steps_from.values()) > 0]
+    rows = [s for s in items if s.key.mode == Mode.KVRESCUE and sum(s.steps_from.values()) > 0]
     if not rows:
         return None
     several_n = len({s.key.n for s in rows}) > 1

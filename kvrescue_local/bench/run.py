@@ -17,19 +17,16 @@ from typing import Callable, Iterable
 
 from ..errors import KVRescueError
 from ..prm import PRM
-from ..rescue import Rescue, RescueConfig, longest_prompt
+from ..rescue import Mode, Rescue, RescueConfig, Trajectory, longest_prompt
 from ..runtime import Model
-from .datasets import Problem
-from .grade import is_correct
+from .datasets import Dataset
+from .metrics import result_line
 from .results_file import check_same_setup, distinct_setups, read_rows, repair_tail, settings, setup, writing
-
-DEGENERATE_STEPS = 256  # the paper: an incorrect trajectory with at least this many committed steps
-LENGTH_CAPS = ("max_tokens", "max_steps")
 
 
 @dataclass(frozen=True)
 class Axis:
-    mode: str
+    mode: Mode
     budget: int
     n: int
     policy: str
@@ -39,11 +36,11 @@ class Axis:
         return f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}"
 
 
-def sweep_axes(modes: Iterable[str], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str]) -> list[Axis]:
+def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str]) -> list[Axis]:
     """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once."""
     axes = []
-    for mode, budget, n, policy in product(modes, budgets, ns, policies):
-        if mode in ("full", "helper"):
+    for mode, budget, n, policy in product(map(Mode.parse, modes), budgets, ns, policies):
+        if not mode.evicts:
             budget, policy = 0, "none"
         axis = Axis(mode, budget, n, policy)
         if axis not in axes:
@@ -56,23 +53,9 @@ def rescue_config(axis: Axis, template: RescueConfig) -> RescueConfig:
     return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv)
 
 
-def result_line(dataset: str, problem: Problem, axis: Axis, config: RescueConfig, record: dict,
-                row_setup: dict) -> dict:
-    correct = is_correct(problem.answer, record["answer"])
-    steps = record["steps"]
-    base = [c for s in steps for c in s["candidates"] if c["side"] == "base"]
-    return {
-        "dataset": dataset, "id": problem.id, "config_key": axis.key,
-        "config": {**dataclasses.asdict(axis), **settings(config)}, "setup": row_setup,
-        "gold": problem.answer, "answer": record["answer"], "correct": correct, "stop": record["stop"],
-        "degenerate": not correct and (record["n_steps"] >= DEGENERATE_STEPS or record["stop"] in LENGTH_CAPS),
-        "n_steps": record["n_steps"],
-        "steps_from": {side: sum(s["source"] == side for s in steps) for side in ("base", "helper")},
-        "tokens": record["tokens"], "base_candidates": len(base), "killed": sum(c["finished"] == "killed" for c in base),
-        "early_exit_fraction": record["early_exit_fraction"],
-        "detector": [c["detector"] for c in base if "detector" in c],
-        "timings": record["timings"],
-    }
+def results_config(axis: Axis, config: RescueConfig) -> dict:
+    """The settings a results line records: the sweep axes, every setting and the prompt template."""
+    return {**dataclasses.asdict(axis), **settings(config), "prompt": config.prompt}
 
 
 def done_keys(rows: list[dict]) -> set[tuple[str, str, str]]:
@@ -91,10 +74,9 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return index, count
 
 
-def unfinished_record(seconds: float) -> dict:
-    """The record of a problem that stopped with an error: no answer, no steps."""
-    return {"answer": None, "stop": "error", "n_steps": 0, "steps": [], "early_exit_fraction": 0.0,
-            "tokens": {"base": 0, "helper": 0, "committed": 0}, "timings": {"total": round(seconds, 4)}}
+def unfinished(problem: str, seconds: float) -> Trajectory:
+    """The trajectory of a problem that stopped with an error: no answer, no steps."""
+    return Trajectory(problem, {}, stop="error", timings={"total": round(seconds, 4)})
 
 
 @dataclass
@@ -108,12 +90,13 @@ class Models:
                 "prm": self.prm and self.prm.model.path}
 
 
-def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template: RescueConfig, models: Models,
+def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models: Models,
               results: Path, resume: bool = False, shard: tuple[int, int] = (0, 1),
               on_result: Callable[[dict], None] | None = None, on_skip: Callable[[int], None] | None = None,
               on_cut: Callable[[int], None] | None = None) -> int:
     """Run what is not done yet; returns the number of lines written. on_cut hears of a partial last line cut
     off (bytes) before resuming."""
+    label, problems = dataset.label, dataset.problems
     with writing(results):
         cut = repair_tail(results)
         if cut and on_cut:
@@ -129,7 +112,7 @@ def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template:
         done = done_keys(rows)
         index, count = shard
         tasks = [(axis, p) for axis in axes for p in problems][index::count]
-        todo = [(axis, p) for axis, p in tasks if (dataset, p.id, axis.key) not in done]
+        todo = [(axis, p) for axis, p in tasks if (label, p.id, axis.key) not in done]
         if on_skip:
             on_skip(len(tasks) - len(todo))
         written = 0
@@ -144,10 +127,12 @@ def run_sweep(dataset: str, problems: list[Problem], axes: list[Axis], template:
                 engine = engines[axis]
                 started = time.perf_counter()
                 try:
-                    record, error = engine.solve(problem.problem).record(), None
+                    trajectory, error = engine.solve(problem.problem), None
                 except KVRescueError as exc:  # this problem cannot finish here: its row says why and the sweep goes on
-                    record, error = unfinished_record(time.perf_counter() - started), str(exc)
-                line = result_line(dataset, problem, axis, engine.config, record, setups[axis])
+                    trajectory, error = unfinished(problem.problem, time.perf_counter() - started), str(exc)
+                line = result_line(label, problem.id, problem.answer, dataset.grade(problem.answer, trajectory.answer),
+                                   axis.key, results_config(axis, engine.config), trajectory)
+                line["setup"] = setups[axis]
                 if error:
                     line["error"] = error
                 out.write(json.dumps(line, ensure_ascii=False) + "\n")

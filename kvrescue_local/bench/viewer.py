@@ -1,6 +1,6 @@
 """A self-contained HTML page (inline CSS and JS, no network) showing one trajectory record.
 
-Input: the dict of `Trajectory.record()`, as written by `kvrescue-local solve --json`. The page shows
+Input: a Trajectory (kvrescue_local/rescue/record.py), as written by `kvrescue-local solve --json`. The page shows
 the problem, the committed trajectory with every step coloured by the model that wrote it (base or
 helper) and its PRM score, each round's candidates in an expandable table (side, tokens, how it
 ended, PRM score, detector statistics; killed candidates struck through in red, the committed one
@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from ..errors import KVRescueError
+from ..rescue.record import SIDES, Step, Trajectory
 
 _INVISIBLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
 
@@ -67,28 +68,17 @@ def flat_config(config: dict) -> dict:
     return flat
 
 
-def load_trajectory(path: str | Path) -> dict:
+def load_trajectory(path: str | Path) -> Trajectory:
     path = Path(path)
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise KVRescueError(f"trajectory file not found: {path}; write one with `kvrescue-local solve ... --json FILE`") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise KVRescueError(f"{path} is not JSON: pass the file written by `kvrescue-local solve --json`") from None
     except OSError as exc:
         raise KVRescueError(f"cannot read {path} ({exc.strerror}): check the path and its permissions") from None
-    check_record(record, str(path))
-    return record
-
-
-def check_record(record, where: str = "the trajectory") -> None:
-    if not isinstance(record, dict) or not isinstance(record.get("steps"), list):
-        raise KVRescueError(f"{where} is not a trajectory record (no list of steps): pass the file written by "
-                            "`kvrescue-local solve --json`")
-    for i, step in enumerate(record["steps"]):
-        if not isinstance(step, dict) or not isinstance(step.get("candidates", []), list):
-            raise KVRescueError(f"{where}: step {i + 1} is not a step record: pass the file written by "
-                                "`kvrescue-local solve --json`")
+    return Trajectory.from_json(data, str(path))
 
 
 CSS = """
@@ -161,43 +151,38 @@ JS = """
 """
 
 
-def _winner_index(step: dict) -> int | None:
-    cands = step.get("candidates") or []
-    for i, c in enumerate(cands):
-        if (c.get("side") == step.get("source") and c.get("text") == step.get("text")
-                and c.get("score") == step.get("score") and c.get("finished") != "killed"):
+def _winner_index(step: Step) -> int | None:
+    for i, c in enumerate(step.candidates):
+        if c.side == step.source and c.text == step.text and c.score == step.score and not c.killed:
             return i
-    for i, c in enumerate(cands):
-        if c.get("side") == step.get("source") and c.get("text") == step.get("text"):
+    for i, c in enumerate(step.candidates):
+        if c.side == step.source and c.text == step.text:
             return i
     return None
 
 
 def _side(value) -> str:
-    return value if value in ("base", "helper") else "other"
+    return value if value in SIDES else "other"
 
 
-def _candidates_table(step: dict) -> str:
-    cands = step.get("candidates") or []
+def _candidates_table(step: Step) -> str:
     winner = _winner_index(step)
-    killed = sum(c.get("finished") == "killed" for c in cands)
     rows = []
-    for i, c in enumerate(cands):
-        det = c.get("detector") if isinstance(c.get("detector"), dict) else {}
-        is_killed = c.get("finished") == "killed"
-        cls = " ".join(x for x in ("killed" if is_killed else "", "winner" if i == winner else "") if x)
+    for i, c in enumerate(step.candidates):
+        det = c.detector or {}
+        cls = " ".join(x for x in ("killed" if c.killed else "", "winner" if i == winner else "") if x)
         reason = esc(det.get("killed") or "detector")
-        how = f'<span class="kill">killed: {reason}</span>' if is_killed else esc(c.get("finished") or "-")
+        how = f'<span class="kill">killed: {reason}</span>' if c.killed else esc(c.finished or "-")
         mark = "&#9733; " if i == winner else ""
         entropy = fmt_score(det.get("max_mean_entropy")) if det else "-"
         ratio = fmt_score(det.get("min_compression")) if det else "-"
-        side = c.get("side", "?")
         rows.append(
-            f'<tr class="{cls}"><td>{mark}<span class="badge {_side(side)}">{esc(side)}</span>'
-            f' {esc(c.get("index", i))}</td><td class="num">{esc(c.get("tokens", "-"))}</td><td>{how}</td>'
-            f'<td class="num">{fmt_score(c.get("score"))}</td><td class="num">{entropy}</td>'
-            f'<td class="num">{ratio}</td><td class="text"><pre>{esc(c.get("text", ""))}</pre></td></tr>')
-    summary = f"{len(cands)} candidates" + (f', <span class="kill">{killed} killed</span>' if killed else "")
+            f'<tr class="{cls}"><td>{mark}<span class="badge {_side(c.side)}">{esc(c.side)}</span>'
+            f' {esc(c.index)}</td><td class="num">{esc(c.tokens)}</td><td>{how}</td>'
+            f'<td class="num">{fmt_score(c.score)}</td><td class="num">{entropy}</td>'
+            f'<td class="num">{ratio}</td><td class="text"><pre>{esc(c.text)}</pre></td></tr>')
+    summary = f"{len(step.candidates)} candidates" + (f', <span class="kill">{step.killed} killed</span>'
+                                                      if step.killed else "")
     return (f'<details class="cands"><summary>{summary}</summary><table><thead><tr><th>candidate</th>'
             '<th>tokens</th><th>ended</th><th>PRM</th><th>max mean entropy</th><th>min compression</th><th>text</th>'
             f'</tr></thead><tbody>{"".join(rows)}</tbody></table></details>')
@@ -207,45 +192,39 @@ def _card(label: str, value: str) -> str:
     return f'<div class="card"><b>{esc(label)}</b>{value}</div>'
 
 
-def render_html(record: dict) -> str:
-    """The page for one trajectory record."""
-    check_record(record)
-    steps = record["steps"]
-    cfg = flat_config(record.get("config") or {})
-    tokens = record.get("tokens") if isinstance(record.get("tokens"), dict) else {}
-    timings = record.get("timings") if isinstance(record.get("timings"), dict) else {}
-    base_cands = [c for s in steps for c in (s.get("candidates") or []) if c.get("side") == "base"]
-    killed = sum(c.get("finished") == "killed" for c in base_cands)
-    from_base = sum(s.get("source") == "base" for s in steps)
-    from_helper = sum(s.get("source") == "helper" for s in steps)
-    mode = cfg.get("mode", "?")
+def render_html(trajectory: Trajectory | dict) -> str:
+    """The page for one trajectory (a record dict is read through Trajectory.from_json)."""
+    traj = trajectory if isinstance(trajectory, Trajectory) else Trajectory.from_json(trajectory)
+    steps = traj.steps
+    cfg = flat_config(traj.config)
+    base_cands = traj.base_candidates
+    sources = traj.steps_from()
+    mode = traj.mode
 
-    answer = record.get("answer")
-    answer_html = f'<span class="answer">{esc(answer)}</span>' if answer is not None else '<span class="muted">none</span>'
-    if "gold" in record:
-        verdict = {True: " &#10003; correct", False: " &#10007; wrong"}.get(record.get("correct"), "")
-        answer_html += f'<div class="muted">gold: {esc(record["gold"])}{verdict}</div>'
-    setting = f"{esc(mode)}, N={esc(cfg.get('n', '?'))}"
-    if mode in ("bon", "kvrescue"):
+    answer_html = (f'<span class="answer">{esc(traj.answer)}</span>' if traj.answer is not None
+                   else '<span class="muted">none</span>')
+    setting = f"{esc(cfg.get('mode', '?'))}, N={esc(cfg.get('n', '?'))}"
+    if mode is not None and mode.evicts:
         setting += (f"<div class=\"muted\">budget {esc(cfg.get('budget', '?'))} + buffer {esc(cfg.get('buffer', '?'))}, "
                     f"{esc(cfg.get('policy', '?'))}</div>")
-    if mode == "kvrescue":
+    if mode is not None and mode.detects:
         setting += (f"<div class=\"muted\">&tau;<sub>ent</sub> {esc(cfg.get('tau_entropy', '?'))}, "
                     f"&tau;<sub>cmp</sub> {esc(cfg.get('tau_compression', '?'))}</div>")
-    timing_parts = [f"{k.replace('llama_', 'llama.cpp ')} {float(v):.3f} s" for k, v in timings.items()
+    timing_parts = [f"{k.replace('llama_', 'llama.cpp ')} {float(v):.3f} s" for k, v in traj.timings.items()
                     if isinstance(v, (int, float)) and k != "total"]
-    total = timings.get("total")
-    cells = [c.get("max_candidate") for c in (record.get("base_cells") or []) if isinstance(c, dict)]
+    total = traj.timings.get("total")
+    cells = [c.get("max_candidate") for c in traj.base_cells]
     cells = [c for c in cells if isinstance(c, (int, float))]
+    tokens = traj.tokens
     cards = [
         _card("answer", answer_html),
-        _card("stop", esc(record.get("stop") or "-")),
+        _card("stop", esc(traj.stop or "-")),
         _card("mode", setting),
-        _card("committed steps", f"{len(steps)}<div class=\"muted\">base {from_base}, helper {from_helper}</div>"),
+        _card("committed steps", f"{len(steps)}<div class=\"muted\">base {sources['base']}, helper {sources['helper']}</div>"),
         _card("tokens generated", f"base {esc(tokens.get('base', 0))}, helper {esc(tokens.get('helper', 0))}"
                                   f"<div class=\"muted\">committed {esc(tokens.get('committed', 0))}</div>"),
-        _card("early exits", f"{killed} of {len(base_cands)} base candidates"
-                             + (f" ({100.0 * killed / len(base_cands):.1f}%)" if base_cands else "")),
+        _card("early exits", f"{traj.killed} of {len(base_cands)} base candidates"
+                             + (f" ({100.0 * traj.early_exit_fraction:.1f}%)" if base_cands else "")),
         _card("time", (f"{float(total):.3f} s" if isinstance(total, (int, float)) else "-")
               + f"<div class=\"muted\">{esc(', '.join(timing_parts))}</div>"),
     ]
@@ -254,25 +233,25 @@ def render_html(record: dict) -> str:
 
     links = []
     for i, s in enumerate(steps):
-        tip = attr(f"step {i + 1}, {s.get('source')}, PRM {fmt_score(s.get('score'))}")
-        links.append(f'<a class="{_side(s.get("source"))}" href="#step-{i + 1}" title="{tip}">{esc(s.get("text", ""))}</a>')
+        tip = attr(f"step {i + 1}, {s.source}, PRM {fmt_score(s.score)}")
+        links.append(f'<a class="{_side(s.source)}" href="#step-{i + 1}" title="{tip}">{esc(s.text)}</a>')
     overview = "".join(links)
     sections = []
     for i, s in enumerate(steps):
-        side = _side(s.get("source"))
-        n_tokens = next((c.get("tokens") for j, c in enumerate(s.get("candidates") or [])
-                         if j == _winner_index(s)), None)
+        side = _side(s.source)
+        winner = _winner_index(s)
+        n_tokens = s.candidates[winner].tokens if winner is not None else None
         sections.append(
             f'<section class="step {side}" id="step-{i + 1}"><div class="head"><b>step {i + 1}</b>'
-            f'<span class="badge {side}">{esc(s.get("source", "?"))}</span>'
-            f'<span>PRM {fmt_score(s.get("score"))}</span>'
-            f'<span class="muted">round {esc(s.get("round", i))}, ended by {esc(s.get("finished") or "-")}'
+            f'<span class="badge {side}">{esc(s.source)}</span>'
+            f'<span>PRM {fmt_score(s.score)}</span>'
+            f'<span class="muted">round {esc(s.round)}, ended by {esc(s.finished or "-")}'
             + (f", {esc(n_tokens)} tokens" if n_tokens is not None else "") + '</span></div>'
-            f'<pre>{esc(s.get("text", ""))}</pre>{_candidates_table(s)}</section>')
+            f'<pre>{esc(s.text)}</pre>{_candidates_table(s)}</section>')
 
     script_hash = base64.b64encode(hashlib.sha256(JS.encode()).digest()).decode()
     csp = f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{script_hash}'"
-    problem = str(record.get("problem", ""))
+    problem = traj.problem
     title = problem if len(problem) <= 70 else problem[:67] + "..."
     return f"""<!DOCTYPE html>
 <html lang="en">
@@ -301,11 +280,11 @@ def render_html(record: dict) -> str:
 """
 
 
-def write_html(record: dict, out: str | Path) -> Path:
+def write_html(trajectory: Trajectory | dict, out: str | Path) -> Path:
     out = Path(out)
     if out.is_dir():
         raise KVRescueError(f"{out} is a directory: pass a file name for the page, e.g. {out / 'trajectory.html'}")
-    page = render_html(record)
+    page = render_html(trajectory)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(page.encode("utf-8", "replace"))
     return out

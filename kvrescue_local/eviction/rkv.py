@@ -11,7 +11,7 @@ and KV head scores the entries outside the recent window:
   score      = lam * importance - (1 - lam) * redundancy, and the head keeps its best entries.
 A llama.cpp cell is one position in every layer and head, so one keep-set must serve them all: the
 policy keeps the entries that the most (layer, head) pairs would keep (ties: the higher mean score),
-which maximises the mean share of each pair's own choice that survives; bench/rkv_overlap.py measures
+which maximises the mean share of each pair's own choice that survives; perf/rkv_overlap.py measures
 that share against a port of the reference (eviction/reference.py).
 Deviations forced by llama.cpp: one keep-set per position; the attention is per layer, summed over the
 query heads inside the graph, where the reference max-pools the logits of each KV head's query group;

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KVRescueError
-from ..runtime import Context, ContextParams, Model
+from ..runtime import DEFAULT_FLASH_ATTN, Context, ContextParams, Model
 from .formats import prm_format
 from .head import RewardHead, head_path
 
@@ -29,7 +29,7 @@ class PRMParams:
     n_gpu_layers: int = 0
     n_batch: int = 512
     kv_type: str = "f16"
-    flash_attn: str = "auto"
+    flash_attn: str = DEFAULT_FLASH_ATTN
     n_threads: int = 0
 
 

@@ -1,8 +1,9 @@
-"""The stepwise search: KV-Rescue and its baselines on one shared machinery."""
+"""The stepwise search: KV-Rescue and its baselines on one shared machinery, and its records."""
 
-from .config import MODES, QWEN_MATH_COT, RescueConfig
-from .generator import Candidate, Generator
-from .loop import Rescue, Trajectory, check_compatible, last_boxed, longest_prompt
+from .config import QWEN_MATH_COT, RescueConfig
+from .generator import Draft, Generator
+from .loop import Rescue, check_compatible, longest_prompt
+from .record import MODES, SCHEMA_VERSION, Candidate, Mode, Step, Trajectory
 
-__all__ = ["MODES", "QWEN_MATH_COT", "Candidate", "Generator", "Rescue", "RescueConfig", "Trajectory",
-           "check_compatible", "last_boxed", "longest_prompt"]
+__all__ = ["MODES", "QWEN_MATH_COT", "SCHEMA_VERSION", "Candidate", "Draft", "Generator", "Mode", "Rescue",
+           "RescueConfig", "Step", "Trajectory", "check_compatible", "longest_prompt"]

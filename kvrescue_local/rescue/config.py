@@ -1,22 +1,31 @@
-"""One configuration for every mode of the stepwise search (search-and-learn style)."""
+"""One configuration for every mode of the stepwise search (search-and-learn style).
+
+The dataclass defaults are the project's defaults: the command line takes its defaults from here
+(and from a preset's recipe), never from literals of its own. Context sizes are derived here too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from ..detect import DetectorParams
 from ..errors import KVRescueError
 from ..eviction import KVBudget
+from ..prm.formats import QWEN_MATH_SYSTEM
+from ..runtime import DEFAULT_FLASH_ATTN
+from .record import Mode
 
-MODES = ("full", "bon", "helper", "kvrescue")
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
-QWEN_MATH_COT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+# The real presets' chat format (Qwen2.5-Math's chain-of-thought prompt); a template, hence {{}}
+QWEN_MATH_COT = ("<|im_start|>system\n" + QWEN_MATH_SYSTEM.replace("{", "{{").replace("}", "}}") +
                  "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n")
+PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
 
 
 @dataclass(frozen=True)
 class RescueConfig:
-    mode: str = "kvrescue"
+    mode: Mode = Mode.KVRESCUE
     n: int = 8  # candidates per model per round
     kv: KVBudget = field(default_factory=KVBudget)  # the base's budget in bon and kvrescue modes
     detector: DetectorParams = field(default_factory=DetectorParams)  # kvrescue mode, base candidates
@@ -28,15 +37,14 @@ class RescueConfig:
     seed: int = 0
     prompt: str = QWEN_MATH_COT
     n_gpu_layers: int = 0
-    flash_attn: str = "off"  # llama.cpp's CPU flash attention is slow on multi-sequence batches
+    flash_attn: str = DEFAULT_FLASH_ATTN
     n_threads: int = 0  # llama.cpp threads; 0 = physical cores - 1 (runtime.default_threads)
     n_batch: int = 512
     kv_type: str = "f16"
     helper_ctx: int = 0  # helper (and full-KV base) context; 0 = exactly what the limits need
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise KVRescueError(f"unknown mode {self.mode!r}: use one of {', '.join(MODES)}")
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.n < 1:
             raise KVRescueError(f"N must be at least 1 (got {self.n}): it is the number of candidates per model per round")
         sides = int(self.uses_base) + int(self.uses_helper)
@@ -51,19 +59,45 @@ class RescueConfig:
 
     @property
     def uses_base(self) -> bool:
-        return self.mode != "helper"
+        return self.mode.uses_base
 
     @property
     def uses_helper(self) -> bool:
-        return self.mode in ("helper", "kvrescue")
+        return self.mode.uses_helper
 
     @property
     def evicts(self) -> bool:
-        return self.mode in ("bon", "kvrescue")
+        return self.mode.evicts
 
     @property
     def candidates_per_round(self) -> int:
         return self.n * (int(self.uses_base) + int(self.uses_helper))
 
+    def full_context(self, prompt_tokens: int) -> int:
+        """Cells of a context that never evicts (the helper, the full-KV base): the prompt, the whole
+        trajectory, one round of N candidates and one batch."""
+        needed = prompt_tokens + self.max_tokens + self.n * self.max_step_tokens + self.n_batch
+        if self.helper_ctx and self.helper_ctx < needed:
+            raise KVRescueError(f"helper context {self.helper_ctx} cannot hold the prompt ({prompt_tokens}) + "
+                                f"max length ({self.max_tokens}) + {self.n} candidates of "
+                                f"{self.max_step_tokens} tokens: it needs {needed}; raise it or lower --max-tokens")
+        return self.helper_ctx or needed
+
+    def prm_context(self, problem_bytes: int) -> int:
+        """The PRM's cells: its template, the problem (a token covers at least one byte, so the UTF-8
+        length bounds its tokens), the trajectory and one batch of candidates."""
+        return problem_bytes + PRM_TEMPLATE_TOKENS + self.max_tokens + self.n_batch
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["mode"] = self.mode.value
+        return out
+
+    def with_overrides(self, overrides: dict) -> RescueConfig:
+        """This config with some fields replaced; `kv` and `detector` take dicts of their own fields."""
+        nested = {"kv": self.kv, "detector": self.detector}
+        changes = {k: dataclasses.replace(nested[k], **v) if k in nested else v for k, v in overrides.items()}
+        unknown = [k for k in changes if k not in {f.name for f in dataclasses.fields(self)}]
+        if unknown:
+            raise KVRescueError(f"unknown setting {', '.join(unknown)}: a recipe sets fields of RescueConfig")
+        return dataclasses.replace(self, **changes)

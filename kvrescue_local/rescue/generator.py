@@ -16,14 +16,17 @@ import numpy as np
 from ..detect import Detector, Monitor
 from ..errors import KVRescueError
 from ..eviction import BudgetedSequences, KVBudget
-from ..runtime import Context, ContextParams, Model, Sampler, SamplingParams
+from ..runtime import DEFAULT_FLASH_ATTN, Context, ContextParams, Model, Sampler, SamplingParams
+from .record import Candidate
 
 COMMITTED = 0
 STEP_END = b"\n\n"
 
 
 @dataclass
-class Candidate:
+class Draft:
+    """A candidate step while it is decoded; `record()` freezes it into a record.Candidate."""
+
     side: str
     index: int
     seq: int
@@ -46,12 +49,9 @@ class Candidate:
     def content(self) -> str:
         return self.text.decode("utf-8", "replace")
 
-    def record(self) -> dict:
-        out = {"side": self.side, "index": self.index, "text": self.content, "tokens": len(self.tokens),
-               "finished": self.finished, "score": self.score}
-        if self.monitor is not None:
-            out["detector"] = self.monitor.stats()
-        return out
+    def record(self) -> Candidate:
+        return Candidate(self.side, self.index, self.content, len(self.tokens), self.finished, self.score,
+                         self.monitor.stats() if self.monitor is not None else None)
 
 
 def seed_for(*parts: int) -> int:
@@ -62,8 +62,8 @@ class Generator:
     """A model, its context and its candidates; budgeted when `kv` is given."""
 
     def __init__(self, side: str, model: Model, n: int, n_ctx: int, kv: KVBudget | None, sampling: SamplingParams,
-                 max_step_tokens: int, n_batch: int = 512, flash_attn: str = "off", kv_type: str = "f16",
-                 n_threads: int = 0) -> None:
+                 max_step_tokens: int, n_batch: int = 512, flash_attn: str = DEFAULT_FLASH_ATTN,
+                 kv_type: str = "f16", n_threads: int = 0) -> None:
         self.side = side
         self.model = model
         self.n = n
@@ -119,13 +119,13 @@ class Generator:
         return self.ctx.n_cells(seq)
 
     # --- candidates --------------------------------------------------------
-    def propose(self, round_seed: int, detector: Detector | None = None, tail: bytes = b"") -> list[Candidate]:
+    def propose(self, round_seed: int, detector: Detector | None = None, tail: bytes = b"") -> list[Draft]:
         """Decode N candidate steps from the committed sequence, all in the same llama_decode calls."""
         samplers = [Sampler(SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                            top_k=self.sampling.top_k, min_p=self.sampling.min_p,
                                            seed=seed_for(self.sampling.seed, round_seed, i)))
                     for i in range(self.n)]
-        candidates = [Candidate(self.side, i, i + 1, monitor=detector.monitor(tail) if detector else None)
+        candidates = [Draft(self.side, i, i + 1, monitor=detector.monitor(tail) if detector else None)
                       for i in range(self.n)]
         first_logits = self.ctx.logits(self.row) if detector else None
         for cand, sampler in zip(candidates, samplers):
@@ -144,7 +144,7 @@ class Generator:
                 if self.budget:
                     self.budget.enforce(cand.seq)
 
-    def accept(self, cand: Candidate, token: int, logits: np.ndarray | None) -> None:
+    def accept(self, cand: Draft, token: int, logits: np.ndarray | None) -> None:
         cand.tokens.append(token)
         self.tokens_generated += 1
         if self.model.is_eog(token):
@@ -165,7 +165,7 @@ class Generator:
         for seq in range(1, self.n + 1):
             self.drop(seq)
 
-    def commit_own(self, cand: Candidate) -> None:
+    def commit_own(self, cand: Draft) -> None:
         """The winner is ours: its sequence becomes the committed one (no re-encoding)."""
         self.fork(cand.seq, COMMITTED)
         self.drop_candidates()

@@ -7,35 +7,20 @@ Modes share this machinery: `full` (base, no eviction), `bon` (base with evictio
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from ..answers import last_boxed
 from ..detect import Detector
 from ..errors import KVRescueError
 from ..prm import PRM
 from ..runtime import Model, SamplingParams
 from .config import RescueConfig
-from .generator import Candidate, Generator
-
-SIDES = ("base", "helper")
+from .generator import Draft, Generator
+from .record import Step, Trajectory
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (balanced braces), or None."""
-    found = None
-    for match in re.finditer(r"\\boxed\s*\{", text):
-        depth, i = 1, match.end()
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            found = text[match.end():i - 1]
-    return found
 
 
 def check_compatible(base: Model, helper: Model) -> bool:
@@ -57,32 +42,6 @@ def longest_prompt(config: RescueConfig, models: list[Model | None], problems: l
     return max(len(m.tokenize(config.prompt.format(problem=p))) for m in models if m is not None for p in problems)
 
 
-@dataclass
-class Trajectory:
-    problem: str
-    config: dict
-    steps: list[dict] = field(default_factory=list)
-    stop: str = ""
-    answer: str | None = None
-    tokens: dict = field(default_factory=lambda: {"base": 0, "helper": 0, "committed": 0})
-    base_cells: list[dict] = field(default_factory=list)
-    evictions: dict = field(default_factory=lambda: {"evictions": 0, "fallback_evictions": 0})
-    timings: dict = field(default_factory=dict)
-
-    @property
-    def text(self) -> str:
-        return "".join(s["text"] for s in self.steps)
-
-    def record(self) -> dict:
-        base_candidates = [c for s in self.steps for c in s["candidates"] if c["side"] == "base"]
-        killed = sum(c["finished"] == "killed" for c in base_candidates)
-        return {"problem": self.problem, "answer": self.answer, "stop": self.stop, "text": self.text,
-                "n_steps": len(self.steps), "tokens": self.tokens,
-                "early_exit_fraction": killed / len(base_candidates) if base_candidates else 0.0,
-                "base_cells": self.base_cells, "evictions": self.evictions, "timings": self.timings,
-                "config": self.config, "steps": self.steps}
-
-
 class Rescue:
     """Runs problems through one mode; models, contexts and the PRM are created once and reused."""
 
@@ -96,16 +55,10 @@ class Rescue:
         if prm is None and config.candidates_per_round > 1:
             raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
                                 "them: pass --prm (or use N=1)")
-        self.same_vocab = check_compatible(base, helper) if config.mode == "kvrescue" else False
+        self.same_vocab = check_compatible(base, helper) if config.uses_base and config.uses_helper else False
         self.prm = prm if config.candidates_per_round > 1 else None  # with one candidate there is nothing to choose
         sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
-        full_ctx = prompt_tokens_max + config.max_tokens + config.n * config.max_step_tokens + config.n_batch
-        if config.helper_ctx:
-            if config.helper_ctx < full_ctx:
-                raise KVRescueError(f"helper context {config.helper_ctx} cannot hold the prompt ({prompt_tokens_max}) + "
-                                    f"max length ({config.max_tokens}) + {config.n} candidates of "
-                                    f"{config.max_step_tokens} tokens: it needs {full_ctx}; raise it or lower --max-tokens")
-            full_ctx = config.helper_ctx
+        full_ctx = config.full_context(prompt_tokens_max)
         common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
                       flash_attn=config.flash_attn, kv_type=config.kv_type, n_threads=config.n_threads)
         self.sides: dict[str, Generator] = {}
@@ -115,10 +68,10 @@ class Rescue:
             self.sides["base"] = Generator("base", base, config.n, n_ctx, kv, **common)
         if config.uses_helper:
             self.sides["helper"] = Generator("helper", helper, config.n, full_ctx, None, **common)
-        self.detector = Detector(config.detector) if config.mode == "kvrescue" else None
+        self.detector = Detector(config.detector) if config.mode.detects else None
         self.prompt_tokens_max = prompt_tokens_max
 
-    def solve(self, problem: str, on_step: Callable[[dict], None] | None = None) -> Trajectory:
+    def solve(self, problem: str, on_step: Callable[[Step], None] | None = None) -> Trajectory:
         cfg = self.config
         started = time.perf_counter()
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
@@ -137,7 +90,7 @@ class Rescue:
             self.prm.start(problem)
         tail = b""
         for round_index in range(cfg.max_steps):
-            candidates: list[Candidate] = []
+            candidates: list[Draft] = []
             for side_index, (name, gen) in enumerate(self.sides.items()):
                 detector = self.detector if name == "base" else None
                 candidates += gen.propose(cfg.seed * 1_000_003 + round_index * 2 + side_index, detector, tail)
@@ -157,8 +110,8 @@ class Rescue:
                 self.prm.commit(winner.content)
                 prm_seconds += time.perf_counter() - t0
             tail = (tail + bytes(winner.text))[-cfg.detector.text_window:]
-            step = {"round": round_index, "text": winner.content, "source": winner.side, "score": winner.score,
-                    "finished": winner.finished, "candidates": [c.record() for c in candidates]}
+            step = Step(round_index, winner.content, winner.side, winner.score, winner.finished,
+                        [c.record() for c in candidates])
             traj.steps.append(step)
             traj.tokens["committed"] += len(winner.tokens)
             if "base" in self.sides:
@@ -187,7 +140,7 @@ class Rescue:
                         "orchestration": round(total - sum(in_llama.values()) - prm_seconds, 4), "total": round(total, 4)}
         return traj
 
-    def commit(self, winner: Candidate) -> None:
+    def commit(self, winner: Draft) -> None:
         """Every side continues from the winner: its own side keeps the sequence, the others encode the text."""
         for name, gen in self.sides.items():
             if name == winner.side:

@@ -151,7 +151,7 @@ _GGML_TYPE_F32 = 0
 class GraphCapture:
     """Copies named F32 tensors of each llama_decode's graph through llama.cpp's cb_eval (CPU backend, where
     tensor data is host memory; flash attention off for `kq-<il>` and `kq_soft_max-<il>`): the reference
-    the patch's scores are tested against, and the per-head logits bench/rkv_overlap.py feeds R-KV's rule.
+    the patch's scores are tested against, and the per-head logits perf/rkv_overlap.py feeds R-KV's rule.
     `tensors[name]` is [ne3][ne2, ne1, ne0] squeezed of ne3, e.g. [n_head, n_tokens, n_kv] for kq-<il>;
     wanted tensors that are not contiguous F32 are named in `skipped` (an exception cannot leave cb_eval)."""
 

@@ -86,6 +86,15 @@ class Model:
         llama().llama_model_desc(self.handle, buf, len(buf))
         return buf.value.decode()
 
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as text (None when the file has no such key)."""
+        size = llama().llama_model_meta_val_str(self.handle, key.encode(), None, 0)
+        if size < 0:
+            return None
+        buf = ctypes.create_string_buffer(size + 1)
+        llama().llama_model_meta_val_str(self.handle, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
     # --- vocabulary ------------------------------------------------------
     @property
     def bos(self) -> int:

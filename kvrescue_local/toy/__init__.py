@@ -1,5 +1,6 @@
 """The toy world: a synthetic stepwise task and tiny trained models that show KV-Rescue's effect on a CPU.
 
 task.py is the task (numpy only); model.py and train.py need torch (`pip install -e .[train]`) and
-are imported only for training; table.py runs the reproduction table on the shipped `toy` preset.
+are imported only for training; calibrate.py fits the `toy` preset's detector thresholds. The toy
+table is `bench run --dataset toy` + `report` (docs/toy-world.md).
 """

@@ -118,12 +118,25 @@ def problems(seed: int, count: int, knobs: Knobs = Knobs()) -> list[Problem]:
     return [make_problem(rng, knobs) for _ in range(count)]
 
 
-def grade(problem: Problem, answer: str | None) -> bool:
-    """Exact match of the integer in the last \\boxed{}."""
+EVAL_SEED = 0  # held-out problems; training draws its problems from seeds >= 1000
+EVAL_PROBLEMS = 300
+
+
+def held_out(count: int = EVAL_PROBLEMS) -> list[Problem]:
+    """The toy dataset: the same `count` problems every time (a shorter list is a prefix of a longer one)."""
+    return problems(EVAL_SEED, count)
+
+
+def exact_match(gold: str, answer: str | None) -> bool:
+    """The toy grader: the integer in the last \\boxed{} equals the gold one."""
     try:
-        return answer is not None and int(answer.strip()) == problem.answer
+        return answer is not None and int(answer.strip()) == int(gold)
     except ValueError:
         return False
+
+
+def grade(problem: Problem, answer: str | None) -> bool:
+    return exact_match(str(problem.answer), answer)
 
 
 # The chat format of the real presets without the system turn: it would be 90 of the ~250 tokens the

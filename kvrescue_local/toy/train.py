@@ -29,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..answers import last_boxed
 from ..gguf_export import Qwen2Shape, write_qwen2_gguf
+from ..paths import CACHE
 from ..prm import head_path
 from ..prm.formats import prm_format
 from .task import CONTROL, END, LOOKUP, N_VOCAB, PAD, Knobs, encode, problems, prompt, wrong_step
@@ -50,8 +52,8 @@ PRM_FORMAT = "toy-prm"  # the base's own chat format: its lookup circuit works t
 # Lookups (an induction circuit) form in a few hundred steps on 3-entry ledgers, then carry over to 8
 # (they did not form within ~1500 steps on 8 alone). So training grows the ledger: (knobs, share of steps).
 CURRICULUM = ((Knobs(n_vars=3, min_terms=2, max_terms=3), 0.3), (Knobs(min_vars=3), 0.3), (Knobs(), 0.4))
-CKPT = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local" / "toy-train"
-TRAIN_SEED = 1000  # evaluation problems use other seeds (see table.py)
+CKPT = CACHE / "toy-train"
+TRAIN_SEED = 1000  # the held-out problems use another seed (task.EVAL_SEED)
 
 
 def lm_batch(rng: np.random.Generator, size: int, knobs: Knobs, blind_spot: frozenset[int] = frozenset()):
@@ -178,7 +180,6 @@ def greedy_accuracy(model, count: int = 100, seed: int = 7, knobs: Knobs = Knobs
     """Greedy solutions in torch (full context), graded by the integer in the last \\boxed{}."""
     import torch
 
-    from ..rescue import last_boxed
     from .task import grade
 
     model.eval()

@@ -7,7 +7,7 @@
   3. the share of `solve` wall time outside llama.cpp and the PRM, per mode, on a GSM8K problem.
 
 Usage (the defaults are the issue's sizes; pass smaller ones on a busy machine):
-  KVRESCUE_THREADS=1 python3 bench/real_perf.py [--tokens 1000] [--sequences 4,8] [--budgets 64,256]
+  KVRESCUE_THREADS=1 python3 perf/real_perf.py [--tokens 1000] [--sequences 4,8] [--budgets 64,256]
       [--policies rkv,snapkv,h2o,streaming] [--batch-steps 64] [--solve-tokens 256] [--prm PRM.gguf]
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from decode_perf import N_CANDIDATES, candidates_context, timed
 from eviction_perf import generate, n_embd_k_gqa_of
-from kvrescue_local.bench.datasets import load_problems
+from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.eviction import KVBudget
 from kvrescue_local.prm import PRM, PRMParams
 from kvrescue_local.rescue import Rescue, RescueConfig, longest_prompt
@@ -60,7 +60,7 @@ def batching(model: Model, prompt: np.ndarray, steps: int) -> None:
 
 
 def solve_overhead(base: Model, helper: Model, prm_path: Path | None, max_tokens: int) -> None:
-    problem = load_problems("gsm8k", limit=1)[1][0].problem
+    problem = load_dataset("gsm8k", limit=1).problems[0].problem
     common = dict(n=1, max_tokens=max_tokens, max_step_tokens=128, kv=KVBudget(budget=64, buffer=128))
     configs = [RescueConfig(mode=m, **common) for m in ("full", "bon", "helper")]
     prm = None
@@ -70,7 +70,7 @@ def solve_overhead(base: Model, helper: Model, prm_path: Path | None, max_tokens
     print(f"3. solve on GSM8K problem 0, at most {max_tokens} tokens: share of wall time outside llama.cpp and the PRM")
     for config in configs:
         engine = Rescue(config, base, helper, prm, prompt_tokens_max=longest_prompt(config, [base, helper], [problem]))
-        t = engine.solve(problem).record()["timings"]
+        t = engine.solve(problem).timings
         print(f"  {config.mode:8s} N={config.n}: {t['total']:6.1f} s, PRM {100 * t['prm'] / t['total']:4.1f}%, "
               f"outside {100 * t['orchestration'] / t['total']:4.1f}% (goal <= 5%)")
 
@@ -93,7 +93,7 @@ def main() -> None:
     args.policies = args.policies.split(",")
     base = Model(args.base)
     print(f"base {base.describe()}")
-    problem = load_problems("gsm8k", limit=1)[1][0].problem
+    problem = load_dataset("gsm8k", limit=1).problems[0].problem
     prompt = base.tokenize(RescueConfig().prompt.format(problem=problem))
     only = args.only.split(",")
     if "1" in only:

@@ -1,7 +1,4 @@
-"""`report` and `estimate` click commands; kvrescue_local/cli.py registers them (main.add_command).
-
-Both raise KVRescueError for bad input; the CLI group turns it into a one-line `Error: ...`.
-"""
+"""`kvrescue-local report` (the paper's tables, figures, a trajectory's page) and `estimate`."""
 
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ def report(results: Path | None, markdown: bool, plots_dir: Path | None, traject
 
     Rows of one configuration made with different model files, prompt templates or settings (seeds aside)
     are shown as separate rows, one per setup, unless --pool-setups pools them."""
-    from .report import load_results, render
+    from ..bench.report import load_results, render
 
     if html_out is not None and trajectory is None:
         raise KVRescueError("--out names the HTML page of --html TRAJECTORY.json: pass both")
@@ -43,12 +40,12 @@ def report(results: Path | None, markdown: bool, plots_dir: Path | None, traject
     if rows:
         click.echo(render(rows, markdown=markdown, pool_setups=pool_setups), nl=False)
     if plots_dir is not None:
-        from .plots import write_plots
+        from ..bench.plots import write_plots
 
         written = write_plots(rows, plots_dir)
         click.echo(f"\n{len(written)} plots written to {plots_dir}: {', '.join(p.name for p in written) or 'none'}")
     if trajectory is not None:
-        from .viewer import load_trajectory, write_html
+        from ..bench.viewer import load_trajectory, write_html
 
         out = write_html(load_trajectory(trajectory), html_out or trajectory.with_suffix(".html"))
         click.echo(f"trajectory page written to {out}")
@@ -67,12 +64,10 @@ def report(results: Path | None, markdown: bool, plots_dir: Path | None, traject
 def estimate_command(base: str, helper: str, budget: int, buffer: int, kv_bytes: float, contexts: str, markdown: bool,
                      plot_path: Path | None) -> None:
     """KV memory and decode FLOPs per sequence: evicted base + full-KV helper vs full-KV base."""
-    from .estimate import estimate, parse_contexts, resolve_model
+    from ..bench.estimate import estimate, parse_contexts, resolve_model
 
     result = estimate(resolve_model(base), resolve_model(helper), budget, buffer, kv_bytes, parse_contexts(contexts))
     click.echo(result.table(markdown=markdown))
     if plot_path is not None:
         click.echo(f"plot written to {result.plot(plot_path)}")
 
-
-COMMANDS = (report, estimate_command)

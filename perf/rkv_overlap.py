@@ -16,7 +16,7 @@ cb_eval), max-pooled over each KV head's query group, softmaxed over the keys be
 averaged over the window. The policy sees what it sees in a run: the patch's per-layer scores. Also
 prints the policy's scoring time per eviction (all layers vs the last layer).
 
-Usage: python3 bench/rkv_overlap.py [--model PATH.gguf] [--budgets 64,256] [--buffer 128] [--texts 3]
+Usage: python3 perf/rkv_overlap.py [--model PATH.gguf] [--budgets 64,256] [--buffer 128] [--texts 3]
 """
 
 from __future__ import annotations

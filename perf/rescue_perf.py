@@ -4,7 +4,7 @@
 Prints per mode: wall time per problem, tokens generated per model, and the share of wall
 time spent outside llama.cpp (neither in llama_decode nor in PRM scoring).
 
-Usage: python3 bench/rescue_perf.py [--problems 5] [--n 8] [--preset tiny]
+Usage: python3 perf/rescue_perf.py [--problems 5] [--n 8] [--preset tiny]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     preset = load_preset(args.preset)
     base, helper = Model(preset.base), Model(preset.helper)
-    prm = PRM(preset.prm, PRMParams(n_ctx=2048, max_candidates=2 * args.n, flash_attn="off"))
+    prm = PRM(preset.prm, PRMParams(n_ctx=2048, max_candidates=2 * args.n))
     problems = (PROBLEMS * args.problems)[: args.problems]
     print(f"preset {preset.name} ({preset.note or 'trained'}), N={args.n}, {len(problems)} problems")
     print(f"{'mode':9s} {'s/problem':>10s} {'base tok':>9s} {'helper tok':>10s} {'steps':>6s} {'outside llama.cpp':>18s}")
@@ -42,12 +42,12 @@ def main() -> None:
         engine = Rescue(config, base, helper, prm)
         totals = {"total": 0.0, "outside": 0.0, "base": 0, "helper": 0, "steps": 0}
         for i, problem in enumerate(problems):
-            record = engine.solve(problem).record()
-            totals["total"] += record["timings"]["total"]
-            totals["outside"] += record["timings"]["orchestration"]
-            totals["base"] += record["tokens"]["base"]
-            totals["helper"] += record["tokens"]["helper"]
-            totals["steps"] += record["n_steps"]
+            trajectory = engine.solve(problem)
+            totals["total"] += trajectory.timings["total"]
+            totals["outside"] += trajectory.timings["orchestration"]
+            totals["base"] += trajectory.tokens["base"]
+            totals["helper"] += trajectory.tokens["helper"]
+            totals["steps"] += trajectory.n_steps
         k = len(problems)
         print(f"{mode:9s} {totals['total'] / k:10.3f} {totals['base'] / k:9.0f} {totals['helper'] / k:10.0f} "
               f"{totals['steps'] / k:6.1f} {100 * totals['outside'] / totals['total']:17.1f}% (goal <= 15%)")

@@ -7,7 +7,7 @@ default, physical cores - 1), a fresh process decodes one sequence token by toke
 while a busy Python loop competes for a core. Prints tokens/s idle, tokens/s busy and the slowdown
 (idle / busy); the goal is a slowdown under 2.5x.
 
-Usage: python3 bench/contention_perf.py [--steps 64] [--seconds 20] [--model PATH.gguf ...]
+Usage: python3 perf/contention_perf.py [--steps 64] [--seconds 20] [--model PATH.gguf ...]
 (KVRESCUE_THREADS is ignored here: each setting passes its thread count explicitly.)
 """
 

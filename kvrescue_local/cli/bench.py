@@ -6,29 +6,14 @@ from pathlib import Path
 
 import click
 
-from ..errors import KVRescueError
-from ..files import check_writable
+from ..bench.datasets import DATASET_NAMES, load_dataset
+from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
+from ..compose import open_models, select_models
 from ..eviction import POLICIES
-from ..options import open_models, search_options, template_config
-from ..rescue import MODES
+from ..files import check_writable
+from ..rescue import MODES, Mode
 from ..rescue.limits import check_prompts_fit
-from .datasets import DATASET_NAMES, load_problems
-from .run import Models, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVRescueError(f"expected comma-separated integers, not {text!r}") from None
-
-
-def name_list(text: str, allowed, what: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in names if x not in allowed]
-    if unknown or not names:
-        raise KVRescueError(f"unknown {what} {', '.join(unknown) or repr(text)}: use {', '.join(sorted(allowed))}")
-    return names
+from .common import DEFAULTS, int_list, name_list, note, search_options
 
 
 @click.group()
@@ -41,9 +26,9 @@ def bench() -> None:
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
 @click.option("--limit", type=int, help="first LIMIT problems only")
 @click.option("--modes", default="full,bon,kvrescue", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
-@click.option("--budgets", default="64", show_default=True, help="comma-separated base KV budgets")
-@click.option("--ns", default="8", show_default=True, help="comma-separated candidates per model")
-@click.option("--policies", default="rkv", show_default=True, help="comma-separated eviction policies")
+@click.option("--budgets", default=str(DEFAULTS.kv.budget), show_default=True, help="comma-separated base KV budgets")
+@click.option("--ns", default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
+@click.option("--policies", help=f"comma-separated eviction policies [default: the preset's, else {DEFAULTS.kv.policy}]")
 @search_options
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file the results are appended to")
@@ -54,31 +39,38 @@ def run_command(dataset, data, limit, modes, budgets, ns, policies, results, res
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results")
-    label, problems = load_problems(None if data else dataset, data, limit, offline=offline or None)
-    axes = sweep_axes(name_list(modes, MODES, "mode"), int_list(budgets), int_list(ns),
-                      name_list(policies, POLICIES, "policy"))
-    template = template_config("kvrescue", 1, max(int_list(budgets)), "streaming", options)
+    data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None)
+    modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
+    needs_base = any(m.uses_base for m in modes)
+    needs_helper = any(m.uses_helper for m in modes)
+    most_sides = max(int(m.uses_base) + int(m.uses_helper) for m in modes)
+    selection = select_models(options, needs_base, needs_helper, needs_prm=most_sides * max(int_list(ns)) > 1, note=note)
+    template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(int_list(budgets))})
+    axes = sweep_axes(modes, int_list(budgets), int_list(ns),
+                      name_list(policies, POLICIES, "policy") if policies else [template.kv.policy])
     # refuses a bad budget, policy or N before any model is loaded
     candidates = max(rescue_config(axis, template).candidates_per_round for axis in axes)
-    needs_base = any(a.mode != "helper" for a in axes)
-    needs_helper = any(a.mode in ("helper", "kvrescue") for a in axes)
-    base, helper, prm = open_models(options, needs_base, needs_helper, candidates, [p.problem for p in problems])
-    check_prompts_fit(template, [base, helper], {f"{label} problem {p.id}": p.problem for p in problems})
-    total = len(range(shard_index, len(axes) * len(problems), shard_count))
+    template, models = open_models(selection, template, needs_base, needs_helper, candidates,
+                                   [p.problem for p in data_set.problems],
+                                   prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
+    check_prompts_fit(template, [models.base, models.helper],
+                      {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
+    total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 
     def accuracy(_item=None) -> str:
         return f"acc {100 * tally['correct'] / tally['done']:.1f}%" if tally["done"] else ""
 
-    with click.progressbar(length=total, label=f"{label}: {len(axes)} configurations", item_show_func=accuracy) as bar:
+    with click.progressbar(length=total, label=f"{data_set.label}: {len(axes)} configurations",
+                           item_show_func=accuracy) as bar:
         def on_result(line: dict) -> None:
             tally["done"] += 1
             tally["correct"] += line["correct"]
             bar.update(1)
 
         try:
-            written = run_sweep(label, problems, axes, template, Models(base, helper, prm), results, resume,
-                                (shard_index, shard_count), on_result=on_result, on_skip=bar.update,
+            written = run_sweep(data_set, axes, template, models, results, resume, (shard_index, shard_count),
+                                on_result=on_result, on_skip=bar.update,
                                 on_cut=lambda cut: click.echo(f"\ncut a partial last line ({cut} bytes, a crash "
                                                               f"mid-write) from {results}; its problem runs again",
                                                               err=True))

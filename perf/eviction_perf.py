@@ -6,10 +6,10 @@ candidates decoded together, the share of wall time spent choosing and evicting 
 scores, keys and the cell map, scoring, seq_rm), and the resident KV bytes at the end vs full KV.
 
 Only the package's public budget API is used, so another version of it can be timed by the same
-script: `PYTHONPATH=<checkout of that version> python3 bench/eviction_perf.py ...` (the README's
+script: `PYTHONPATH=<checkout of that version> python3 perf/eviction_perf.py ...` (the README's
 old-vs-new rkv line compares the last-layer redundancy of commit 4e1596c with the all-layer one).
 
-Usage: PYTHONPATH=. python3 bench/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
+Usage: PYTHONPATH=. python3 perf/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
                                                    [--policies rkv,snapkv] [--budgets 64,256]
 """
 

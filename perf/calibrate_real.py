@@ -10,8 +10,8 @@ the fitted and at the default thresholds, and the zstd ratio of ordinary enumera
 full-KV text; `--write` stores the thresholds with the coder preset.
 
 Usage:
-  KVRESCUE_THREADS=1 nice python3 bench/calibrate_real.py collect --stats cal.jsonl --problems 8
-  python3 bench/calibrate_real.py fit --stats cal.jsonl [--write models/coder/detector.json]
+  KVRESCUE_THREADS=1 nice python3 perf/calibrate_real.py collect --stats cal.jsonl --problems 8
+  python3 perf/calibrate_real.py fit --stats cal.jsonl [--write models/coder/detector.json]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvrescue_local.bench.datasets import load_problems
+from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.detect import Detector, DetectorParams, calibrate, compression_ratio
 from kvrescue_local.detect.calibrate import save_params
 from kvrescue_local.eviction import KVBudget
@@ -46,7 +46,7 @@ def collect(args) -> None:
     done = set()
     if args.stats.exists():
         done = {(r["dataset"], r["id"], r["setting"]) for r in map(json.loads, args.stats.read_text().splitlines())}
-    per_dataset = [[(name, p) for p in load_problems(name, limit=args.problems)[1]] for name in args.datasets.split(",")]
+    per_dataset = [[(name, p) for p in load_dataset(name, limit=args.problems).problems] for name in args.datasets.split(",")]
     problems = [pair for row in zip(*per_dataset) for pair in row]  # datasets alternate: a stopped run covers each
     configs = settings([int(b) for b in args.budgets.split(",")])
     reserve = longest_prompt(RescueConfig(), [model], [p.problem for _, p in problems])
@@ -59,7 +59,7 @@ def collect(args) -> None:
             for label, engine in engines.items():
                 if (dataset, problem.id, label) in done:
                     continue
-                record = engine.solve(problem.problem).record()
+                record = engine.solve(problem.problem).to_json()
                 for step in record["steps"]:
                     for cand in step["candidates"]:
                         out.write(json.dumps({"dataset": dataset, "id": problem.id, "setting": label,

@@ -5,7 +5,7 @@ Prints, for candidate steps of increasing length, the wall time of one `PRM.scor
 the tokens it encoded, and the time per token; plus the same 16 candidates scored one call
 each, side by side.
 
-Usage: python3 bench/prm_perf.py [--rounds 20]
+Usage: python3 perf/prm_perf.py [--rounds 20]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        prm = PRM(tiny_preset(Path(tmp)).prm, PRMParams(n_ctx=8192, max_candidates=N_CANDIDATES, flash_attn="off"))
+        prm = PRM(tiny_preset(Path(tmp)).prm, PRMParams(n_ctx=8192, max_candidates=N_CANDIDATES))
         prm.start("Let a=17, b=42 and c=5. Compute a+b-c. " * 4)
         prm.commit("a is 17.")
         print(f"PRM round of {N_CANDIDATES} candidates on {prm.model.describe()}")

@@ -5,7 +5,7 @@ Prints:
   - tokens/s of 8 candidates decoded in one batch vs one llama_decode per candidate;
   - the wrapper's time per decode call vs calling llama_decode directly on a prepared batch.
 
-Usage: python3 bench/decode_perf.py [--steps 200] [--model PATH.gguf]
+Usage: python3 perf/decode_perf.py [--steps 200] [--model PATH.gguf]
 """
 
 from __future__ import annotations

@@ -1,0 +1,255 @@
+"""The paper's metrics, defined once: per trajectory (the results line) and per configuration.
+
+- pass@1: the share of trajectories whose last \\boxed{} the dataset's grader accepts.
+- degeneration (the paper's Table 2): a trajectory is degenerate when it is wrong and ran
+  DEGENERATE_STEPS (256) committed steps, which in the paper is running to the length limit; a
+  configuration whose step cap is lower (the toy world's 32) is judged at its cap. The rate is over
+  ALL trajectories of the configuration (every Degen. value in the paper is a whole number of the
+  500 MATH500 problems), not over the wrong ones.
+- length cap: the share of trajectories stopped by max_tokens or max_steps, right or wrong (its own
+  column: a trajectory can hit the token cap long before 256 steps).
+- early exit: killed base candidates / all base candidates, pooled over problems.
+- accuracy recovered: (acc_kvrescue - acc_bon) / (acc_full - acc_bon) at the same dataset, budget,
+  N and policy (full: same dataset and N).
+Tokens and seconds are means per problem; problems per minute = problems / summed wall time; tok/s =
+tokens generated / seconds inside llama.cpp for that model (killed candidates' tokens included).
+`full` and `helper` do not evict: their budget and policy are None and ignored when grouping.
+A setup is what a row records beyond its axes (model files, prompt template, settings; results_file.py):
+rows of one configuration with different setups (seeds aside) are never pooled unless asked (pool_setups);
+they become rows of their own, and a kvrescue row is compared only with full and bon rows of its setup.
+
+Results lines written before these definitions (with another `degenerate` field) are read the same
+way: degeneration is recomputed from correct, n_steps and the configured max_steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from ..rescue import MODES, Mode, Trajectory
+from ..rescue.record import LENGTH_CAPS
+from .results_file import differences
+
+DEGENERATE_STEPS = 256
+RESULTS_SCHEMA = 2
+
+
+def degenerate(correct: bool, n_steps: int, max_steps: int = DEGENERATE_STEPS) -> bool:
+    return not correct and n_steps >= min(DEGENERATE_STEPS, max_steps)
+
+
+# --- one trajectory: the results line -----------------------------------------------------------
+
+def result_line(dataset: str, problem_id: str, gold: str, correct: bool, config_key: str, config: dict,
+                trajectory: Trajectory) -> dict:
+    """The results JSONL line of one problem under one configuration (`config`: flat settings)."""
+    base = trajectory.base_candidates
+    return {
+        "schema": RESULTS_SCHEMA, "dataset": dataset, "id": problem_id, "config_key": config_key, "config": config,
+        "gold": gold, "answer": trajectory.answer, "correct": correct, "stop": trajectory.stop,
+        "degenerate": degenerate(correct, trajectory.n_steps, config.get("max_steps", DEGENERATE_STEPS)),
+        "length_capped": trajectory.length_capped, "n_steps": trajectory.n_steps,
+        "steps_from": trajectory.steps_from(), "tokens": trajectory.tokens, "base_candidates": len(base),
+        "killed": trajectory.killed, "early_exit_fraction": trajectory.early_exit_fraction,
+        "detector": [c.detector for c in base if c.detector is not None], "timings": trajectory.timings,
+    }
+
+
+# --- one configuration --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConfigKey:
+    dataset: str
+    mode_rank: int
+    budget: int | None
+    n: int
+    policy: str | None
+    mode: str
+    setup: str = ""  # setup_label of its rows; "" when setups are pooled
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} b{self.budget if self.budget is not None else '-'} n{self.n} {self.policy or '-'}"
+
+    @property
+    def known_mode(self) -> Mode | None:
+        return Mode(self.mode) if self.mode in MODES else None
+
+    @property
+    def uses_base(self) -> bool:
+        return self.known_mode is None or self.known_mode.uses_base
+
+    @property
+    def uses_helper(self) -> bool:
+        return self.known_mode is not None and self.known_mode.uses_helper
+
+    @property
+    def evicts(self) -> bool:
+        return self.known_mode is not None and self.known_mode.evicts
+
+
+UNRECORDED = "unrecorded"  # rows written before setups were recorded
+
+
+def setup_label(row: dict) -> str:
+    """A short id of the row's setup, seeds aside (the report pools seeds)."""
+    setup = row.get("setup")
+    if setup is None:
+        return UNRECORDED
+    without_seed = {**setup, "settings": {k: v for k, v in setup["settings"].items() if k != "seed"}}
+    return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
+
+
+def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
+    cfg = row["config"]
+    mode = str(cfg["mode"])
+    evicts = mode in MODES and Mode(mode).evicts
+    budget = cfg.get("budget", (cfg.get("kv") or {}).get("budget")) if evicts else None
+    policy = cfg.get("policy", (cfg.get("kv") or {}).get("policy")) if evicts else None
+    return ConfigKey(str(row.get("dataset", "")), MODES.index(mode) if mode in MODES else len(MODES),
+                     None if budget is None else int(budget), int(cfg["n"]), None if policy is None else str(policy),
+                     mode, "" if pool_setups else setup_label(row))
+
+
+def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, list[dict]]:
+    groups: dict[ConfigKey, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(config_key(row, pool_setups), []).append(row)
+
+    def order(item):
+        k = item[0]
+        return (k.dataset, k.mode_rank, k.mode, -1 if k.budget is None else k.budget, k.n, k.policy or "", k.setup)
+
+    return dict(sorted(groups.items(), key=order))
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def is_degenerate(row: dict) -> bool:
+    return degenerate(bool(row["correct"]), int(row["n_steps"]), int(row["config"].get("max_steps") or DEGENERATE_STEPS))
+
+
+def is_length_capped(row: dict) -> bool:
+    return row.get("stop") in LENGTH_CAPS
+
+
+@dataclass
+class Summary:
+    """One configuration's numbers (the paper's Table 2 and Table 1)."""
+
+    key: ConfigKey
+    problems: int
+    pass1: float  # %
+    degeneration: float  # % of all trajectories
+    length_capped: float  # % of all trajectories
+    base_tokens: float
+    steps: float
+    early_exit: float | None  # % of base candidates; None without base candidates
+    helper_tokens: float
+    problems_per_minute: float | None
+    prm_s: float
+    llama_base_s: float
+    llama_helper_s: float
+    orchestration_s: float
+    total_s: float
+    base_tok_s: float | None
+    helper_tok_s: float | None
+    steps_from: dict = field(default_factory=dict)  # committed steps per source, summed
+    recovered: float | None = None  # %, kvrescue rows with matching full and bon rows
+    base_token_ratio: float | None = None  # kvrescue rows: base tokens / the matching bon row's
+    setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
+
+    @property
+    def uses_base(self) -> bool:
+        return self.key.uses_base
+
+    @property
+    def uses_helper(self) -> bool:
+        return self.key.uses_helper
+
+
+def summarize(key: ConfigKey, rows: list[dict]) -> Summary:
+    n = len(rows)
+    timing = lambda r, k: float(r["timings"].get(k) or 0.0)  # noqa: E731
+    tokens = lambda r, k: float(r["tokens"].get(k) or 0.0)  # noqa: E731
+    base_candidates = sum(int(r.get("base_candidates") or 0) for r in rows)
+    killed = sum(int(r.get("killed") or 0) for r in rows)
+    total_time = sum(timing(r, "total") for r in rows)
+    base_llama = sum(timing(r, "llama_base") for r in rows)
+    helper_llama = sum(timing(r, "llama_helper") for r in rows)
+    base_tokens = sum(tokens(r, "base") for r in rows)
+    helper_tokens = sum(tokens(r, "helper") for r in rows)
+    steps_from: dict[str, int] = {}
+    for r in rows:
+        for side, count in (r.get("steps_from") or {}).items():
+            steps_from[side] = steps_from.get(side, 0) + int(count or 0)
+    return Summary(
+        key=key, problems=n,
+        pass1=100.0 * sum(bool(r["correct"]) for r in rows) / n,
+        degeneration=100.0 * sum(is_degenerate(r) for r in rows) / n,
+        length_capped=100.0 * sum(is_length_capped(r) for r in rows) / n,
+        base_tokens=base_tokens / n, steps=_mean(float(r["n_steps"]) for r in rows),
+        early_exit=100.0 * killed / base_candidates if base_candidates else None,
+        helper_tokens=helper_tokens / n,
+        problems_per_minute=60.0 * n / total_time if total_time > 0 else None,
+        prm_s=_mean(timing(r, "prm") for r in rows),
+        llama_base_s=base_llama / n, llama_helper_s=helper_llama / n,
+        orchestration_s=_mean(timing(r, "orchestration") for r in rows), total_s=total_time / n,
+        base_tok_s=base_tokens / base_llama if base_llama > 0 else None,
+        helper_tok_s=helper_tokens / helper_llama if helper_llama > 0 else None,
+        steps_from=steps_from, setup=rows[0].get("setup") if key.setup else None)
+
+
+def accuracy_recovered(kvrescue: float, bon: float, full: float) -> float | None:
+    """(acc_kvrescue - acc_bon) / (acc_full - acc_bon) in %; None when full does not beat bon."""
+    if full - bon <= 0:
+        return None
+    return 100.0 * (kvrescue - bon) / (full - bon)
+
+
+def same_setup(a: Summary, b: Summary) -> bool:
+    """Comparable: pooled, or the same settings and prompt and the same file for each model both used."""
+    if a.setup is None or b.setup is None:
+        return a.key.setup == b.key.setup
+    return not differences(a.setup, b.setup, ignore=("seed",))
+
+
+def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
+    out = [summarize(key, group) for key, group in group_rows(rows, pool_setups).items()]
+
+    def reference(mode: Mode, s: Summary, *axes: str) -> Summary | None:
+        return next((r for r in out if r.key.mode == mode and r.key.dataset == s.key.dataset and
+                     all(getattr(r.key, a) == getattr(s.key, a) for a in axes) and same_setup(r, s)), None)
+
+    for s in out:
+        if s.key.mode != Mode.KVRESCUE:
+            continue
+        f = reference(Mode.FULL, s, "n")
+        b = reference(Mode.BON, s, "budget", "n", "policy")
+        if f and b:
+            s.recovered = accuracy_recovered(s.pass1, b.pass1, f.pass1)
+            s.base_token_ratio = s.base_tokens / b.base_tokens if b.base_tokens > 0 else None
+    return out
+
+
+def setup_notes(items: list[Summary]) -> list[str]:
+    """When one configuration holds several setups: what each differs in from the first."""
+    keys = [dataclasses.replace(s.key, setup="") for s in items]
+    if len(set(keys)) == len(keys):
+        return []
+    first: dict[str, dict] = {}
+    for s in items:
+        first.setdefault(s.key.setup, s.setup or {})
+    labels = list(first)
+    notes = [f"setups (model files, prompt template, settings; seeds aside) differ: {labels[0]} is the first"]
+    for label in labels[1:]:
+        theirs = first[label]
+        diff = differences(first[labels[0]], theirs, ignore=("seed",)) if theirs and first[labels[0]] else []
+        notes.append(f"{label} vs {labels[0]}: {'; '.join(diff) or 'setup not recorded in one of them'}")
+    return notes

@@ -1,0 +1,37 @@
+"""The `kvrescue-local` command line: every click command lives in this package, one module per
+command group (`cli.py` at the repository root and `python3 -m kvrescue_local` hand over to `main`)."""
+
+from __future__ import annotations
+
+import click
+
+from ..errors import KVRescueError
+from ..files import os_error_message
+from .bench import bench
+from .doctor import doctor, package_version
+from .models import models
+from .report import estimate_command, report
+from .solve import solve
+from .toy import toy
+
+
+class ProjectErrorsAsOneLine(click.Group):
+    """Every KVRescueError (and OSError) reaches the user as `Error: <message>`, never as a traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KVRescueError as exc:
+            raise click.ClickException(str(exc)) from None
+        except OSError as exc:  # a full disk or a vanished folder mid-run: one line, no chained traceback
+            raise click.ClickException(os_error_message(exc)) from None
+
+
+@click.group(cls=ProjectErrorsAsOneLine)
+@click.version_option(package_version("kvrescue-local"), prog_name="kvrescue-local")
+def main() -> None:
+    """KV-Rescue on llama.cpp: an evicted base model rescued by a full-context helper and a PRM."""
+
+
+for command in (doctor, solve, models, bench, toy, report, estimate_command):
+    main.add_command(command)

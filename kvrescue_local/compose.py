@@ -1,0 +1,125 @@
+"""The composition root: from a preset and the command line's choices to a RescueConfig and open
+models, with every context sized (`solve`, `bench run` and `toy calibrate` start here).
+
+A setting comes from, in order: the command line, the preset's recipe (when the models are the
+preset's), RescueConfig's defaults. The prompt template comes from, in order: --prompt-template, the
+`kvrescue.prompt_template` metadata of a GGUF the project wrote, the preset of the models (also when
+a path names a bundled preset's own file), RescueConfig's default (Qwen2.5-Math's chat prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .bench.run import Models
+from .errors import KVRescueError
+from .hub import resolve_gguf, resolve_prm
+from .paths import CACHE
+from .presets import Preset, load_preset, preset_of
+from .prm import PRM, PRMParams
+from .rescue import RescueConfig
+from .runtime import Model
+
+PROMPT_METADATA = "kvrescue.prompt_template"
+# command-line option -> RescueConfig field (("kv" | "detector", field) for the nested ones)
+OPTION_FIELDS = {
+    "mode": "mode", "n": "n", "budget": ("kv", "budget"), "policy": ("kv", "policy"), "buffer": ("kv", "buffer"),
+    "n_sink": ("kv", "n_sink"), "window": ("kv", "window"), "protect_prompt": ("kv", "protect_prompt"),
+    "tau_entropy": ("detector", "tau_entropy"), "tau_compression": ("detector", "tau_compression"),
+    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
+    "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
+    "max_step_tokens": "max_step_tokens", "prompt_template": "prompt",
+}
+
+
+def option_overrides(options: dict) -> dict:
+    """The RescueConfig fields the command line sets (options left at None are not set)."""
+    out: dict = {}
+    for option, target in OPTION_FIELDS.items():
+        value = options.get(option)
+        if value is None:
+            continue
+        if isinstance(target, tuple):
+            out.setdefault(target[0], {})[target[1]] = value
+        else:
+            out[target] = value
+    return out
+
+
+def preset_config(preset: Preset | None, **overrides) -> RescueConfig:
+    """RescueConfig's defaults, then the preset's prompt and recipe, then `overrides` (fields; kv and detector
+    as dicts)."""
+    config = RescueConfig()
+    if preset is not None:
+        config = config.with_overrides({**preset.recipe, **({"prompt": preset.prompt} if preset.prompt else {})})
+    return config.with_overrides(overrides)
+
+
+def merged(*layers: dict) -> dict:
+    """Override dicts laid over each other; the nested kv and detector dicts are merged field by field."""
+    out: dict = {}
+    for layer in layers:
+        for key, value in layer.items():
+            out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The model files of a run and the preset whose prompt and recipe apply to them (None: none does)."""
+
+    paths: dict
+    preset: Preset | None
+
+    def config(self, options: dict, **overrides) -> RescueConfig:
+        return preset_config(self.preset, **merged(option_overrides(options), overrides))
+
+
+def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm: bool = True,
+                  note: Callable[[str], None] = lambda text: None) -> Selection:
+    """--base/--helper/--prm, falling back to --preset for what is not given. A PRM is needed only where a
+    round has a choice (more than one candidate)."""
+    given = {role: options.get(role) for role in ("base", "helper", "prm")}
+    needed = {"base": needs_base, "helper": needs_helper, "prm": needs_prm}
+    preset = None
+    if any(given[role] is None for role, need in needed.items() if need):
+        preset = load_preset(options["preset"])
+        if preset.note:
+            note(f"preset {preset.name}: {preset.note}")
+    paths = {role: given[role] or (getattr(preset, role) if preset else None) for role in given}
+    for role in ("base", "helper"):
+        paths[role] = paths[role] and resolve_gguf(paths[role])
+    if given["prm"] and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
+        paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
+    primary = "base" if needs_base else "helper"
+    source = preset if given[primary] is None else preset_of(primary, paths[primary])
+    return Selection(paths, source)
+
+
+def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,
+                max_candidates: int, problems: list[str], prompt_given: bool = False,
+                prm_ctx: int = 0) -> tuple[RescueConfig, Models]:
+    """The models, opened; the config with the prompt template of the primary model's GGUF when it names
+    one (and no --prompt-template was given). The PRM is opened only when a round has a choice
+    (max_candidates > 1); its context starts at prm_ctx, else at what the longest problem needs, and grows
+    in the PRM's own tokens as the trajectory does."""
+    paths = selection.paths
+    if max_candidates > 1 and paths["prm"] is None:  # checked before any model loads
+        raise KVRescueError(f"the {selection.preset.name if selection.preset else 'chosen'} preset has no PRM yet, and "
+                            f"{max_candidates} candidates per round need one to choose between them: pass --prm "
+                            "PATH.gguf (or use -n 1 in mode full, bon or helper)")
+    base = Model(paths["base"], n_gpu_layers=config.n_gpu_layers) if needs_base else None
+    helper = Model(paths["helper"], n_gpu_layers=config.n_gpu_layers) if needs_helper else None
+    template = (base or helper).metadata(PROMPT_METADATA)
+    if template and not prompt_given:
+        config = dataclasses.replace(config, prompt=template)
+    if max_candidates <= 1:
+        return config, Models(base, helper, None)
+    longest = max(len(p.encode()) for p in problems)
+    prm = PRM(paths["prm"], PRMParams(n_ctx=prm_ctx or config.prm_context(longest), max_candidates=max_candidates,
+                                      n_gpu_layers=config.n_gpu_layers, flash_attn=config.flash_attn,
+                                      n_threads=config.n_threads, n_batch=config.n_batch))
+    return config, Models(base, helper, prm)

@@ -1,0 +1,207 @@
+"""What a run leaves behind: the typed records of candidates, committed steps and trajectories,
+and the modes with their semantics.
+
+Every reader of a trajectory (the CLI, `bench run`, `report`, the HTML viewer, the toy world) goes
+through these types, never through string keys. `Trajectory.to_json()` writes schema
+`SCHEMA_VERSION`; `Trajectory.from_json()` also reads schema 1 (the records written before the
+version field existed: the same layout without "schema").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..errors import KVRescueError
+
+SCHEMA_VERSION = 2
+SIDES = ("base", "helper")
+LENGTH_CAPS = ("max_tokens", "max_steps")  # the stops that mean "ran to the length limit"
+
+
+class Mode(str, Enum):
+    """A search mode; its value is what configs, results lines and the command line spell."""
+
+    # in the order of the report's tables: the baselines without eviction first
+    FULL = "full"  # the base alone with its full KV cache: the accuracy eviction loses
+    HELPER = "helper"  # the full-context helper alone
+    BON = "bon"  # the base alone, evicted: best-of-N under the budget
+    KVRESCUE = "kvrescue"  # evicted base + helper, the detector on the base, the PRM choosing
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def parse(cls, value: str | Mode) -> Mode:
+        try:
+            return cls(value)
+        except ValueError:
+            raise KVRescueError(f"unknown mode {value!r}: use one of {', '.join(m.value for m in cls)}") from None
+
+    @property
+    def uses_base(self) -> bool:
+        return self is not Mode.HELPER
+
+    @property
+    def uses_helper(self) -> bool:
+        return self in (Mode.HELPER, Mode.KVRESCUE)
+
+    @property
+    def evicts(self) -> bool:
+        return self in (Mode.BON, Mode.KVRESCUE)
+
+    @property
+    def detects(self) -> bool:
+        """The degeneration detector watches the base's candidates (and base and helper share one trajectory)."""
+        return self is Mode.KVRESCUE
+
+    @property
+    def label(self) -> str:
+        return {"full": "full KV", "bon": "evicted best-of-N", "helper": "helper alone", "kvrescue": "KV-Rescue"}[self.value]
+
+
+MODES = tuple(m.value for m in Mode)
+
+
+def _not_a_record(where: str, what: str) -> KVRescueError:
+    return KVRescueError(f"{where}: {what}: pass the file written by `kvrescue-local solve --json`")
+
+
+@dataclass
+class Candidate:
+    """One proposed step, as it ended: at a blank line ("step"), end of generation ("eos"), the step
+    length cap ("max_step") or killed by the detector ("killed")."""
+
+    side: str
+    index: int
+    text: str
+    tokens: int
+    finished: str | None
+    score: float | None = None  # the PRM's, when it had to choose
+    detector: dict | None = None  # the detector's statistics (base candidates in kvrescue mode)
+
+    @property
+    def killed(self) -> bool:
+        return self.finished == "killed"
+
+    def to_json(self) -> dict:
+        out = {"side": self.side, "index": self.index, "text": self.text, "tokens": self.tokens,
+               "finished": self.finished, "score": self.score}
+        if self.detector is not None:
+            out["detector"] = self.detector
+        return out
+
+    @classmethod
+    def from_json(cls, data, where: str) -> Candidate:
+        if not isinstance(data, dict):
+            raise _not_a_record(where, "a candidate is not an object")
+        detector = data.get("detector")
+        return cls(str(data.get("side", "?")), data.get("index", 0), str(data.get("text", "")), data.get("tokens", 0),
+                   data.get("finished"), data.get("score"), detector if isinstance(detector, dict) else None)
+
+
+@dataclass
+class Step:
+    """A committed step: the winning candidate's text and origin, and every candidate of its round."""
+
+    round: int
+    text: str
+    source: str
+    score: float | None
+    finished: str | None
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def killed(self) -> int:
+        return sum(c.killed for c in self.candidates)
+
+    def to_json(self) -> dict:
+        return {"round": self.round, "text": self.text, "source": self.source, "score": self.score,
+                "finished": self.finished, "candidates": [c.to_json() for c in self.candidates]}
+
+    @classmethod
+    def from_json(cls, data, where: str) -> Step:
+        if not isinstance(data, dict) or not isinstance(data.get("candidates", []), list):
+            raise _not_a_record(where, "not a step record")
+        return cls(data.get("round", 0), str(data.get("text", "")), str(data.get("source", "?")), data.get("score"),
+                   data.get("finished"), [Candidate.from_json(c, where) for c in data.get("candidates", [])])
+
+
+@dataclass
+class Trajectory:
+    """One problem solved under one configuration: the committed steps and what they cost."""
+
+    problem: str
+    config: dict
+    steps: list[Step] = field(default_factory=list)
+    stop: str = ""  # "eos", "all_killed", or a length cap (LENGTH_CAPS)
+    answer: str | None = None
+    tokens: dict = field(default_factory=lambda: {"base": 0, "helper": 0, "committed": 0})
+    base_cells: list[dict] = field(default_factory=list)  # per step: cells of the committed base sequence, peak
+    # evictions of the base's sequences, and those that could not rank by the observation window (reads 0)
+    evictions: dict = field(default_factory=lambda: {"evictions": 0, "fallback_evictions": 0})
+    timings: dict = field(default_factory=dict)  # seconds: llama_<side>, prm, orchestration, total
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.steps)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def mode(self) -> Mode | None:
+        mode = self.config.get("mode")
+        return Mode(mode) if mode in MODES else None
+
+    @property
+    def base_candidates(self) -> list[Candidate]:
+        return [c for s in self.steps for c in s.candidates if c.side == "base"]
+
+    @property
+    def killed(self) -> int:
+        return sum(c.killed for c in self.base_candidates)
+
+    @property
+    def early_exit_fraction(self) -> float:
+        """Killed base candidates among all base candidates."""
+        base = self.base_candidates
+        return self.killed / len(base) if base else 0.0
+
+    @property
+    def length_capped(self) -> bool:
+        return self.stop in LENGTH_CAPS
+
+    def steps_from(self) -> dict[str, int]:
+        return {side: sum(s.source == side for s in self.steps) for side in SIDES}
+
+    def to_json(self) -> dict:
+        """The record (plus its text, step count and early exits, for people reading the file)."""
+        return {"schema": SCHEMA_VERSION, "problem": self.problem, "answer": self.answer, "stop": self.stop,
+                "text": self.text, "n_steps": self.n_steps, "tokens": self.tokens,
+                "early_exit_fraction": self.early_exit_fraction, "base_cells": self.base_cells,
+                "evictions": self.evictions, "timings": self.timings, "config": self.config, "steps": [s.to_json() for s in self.steps]}
+
+    @classmethod
+    def from_json(cls, data, where: str = "the trajectory") -> Trajectory:
+        if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
+            raise _not_a_record(where, "not a trajectory record (no list of steps)")
+        schema = data.get("schema", 1)
+        if schema not in (1, SCHEMA_VERSION):
+            raise KVRescueError(f"{where}: trajectory schema {schema!r} is newer than this kvrescue-local reads "
+                                f"({SCHEMA_VERSION}): upgrade kvrescue-local")
+        steps = [Step.from_json(s, f"{where}: step {i + 1}") for i, s in enumerate(data["steps"])]
+
+        def mapping(key: str) -> dict:
+            value = data.get(key)
+            return value if isinstance(value, dict) else {}
+
+        cells = data.get("base_cells")
+        return cls(str(data.get("problem", "")), mapping("config"), steps, str(data.get("stop") or ""),
+                   data.get("answer"), mapping("tokens"),
+                   [c for c in cells if isinstance(c, dict)] if isinstance(cells, list) else [],
+                   mapping("evictions") or {"evictions": 0, "fallback_evictions": 0}, mapping("timings"))
