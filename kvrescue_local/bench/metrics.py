@@ -165,14 +165,6 @@ class Summary:
     base_token_ratio: float | None = None  # kvrescue rows: base tokens / the matching bon row's
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
 
-    @property
-    def uses_base(self) -> bool:
-        return self.key.uses_base
-
-    @property
-    def uses_helper(self) -> bool:
-        return self.key.uses_helper
-
 
 def summarize(key: ConfigKey, rows: list[dict]) -> Summary:
     n = len(rows)

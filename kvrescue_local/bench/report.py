@@ -146,8 +146,8 @@ def table2(items: list[Summary]) -> Table:
     for s in items:
         rows.append(_config_cells(s, with_dataset, with_setup) + [
             str(s.problems), fmt(s.pass1), fmt(s.degeneration), fmt(s.length_capped),
-            fmt(s.base_tokens, 0) if s.uses_base else "-", fmt(s.steps), fmt(s.early_exit),
-            fmt(s.helper_tokens, 0) if s.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
+            fmt(s.base_tokens, 0) if s.key.uses_base else "-", fmt(s.steps), fmt(s.early_exit),
+            fmt(s.helper_tokens, 0) if s.key.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
             fmt(s.recovered)])
     align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 11
     notes = setups + ["degen %: wrong and >= 256 committed steps (or the step cap, if lower), among all trajectories; "
@@ -170,10 +170,10 @@ def table1(items: list[Summary]) -> Table:
     rows = []
     for s in items:
         rows.append(_config_cells(s, with_dataset, with_setup) + [
-            str(s.problems), fmt(s.llama_base_s, 3) if s.uses_base else "-",
-            fmt(s.llama_helper_s, 3) if s.uses_helper else "-", fmt(s.prm_s, 3), fmt(s.orchestration_s, 3),
-            fmt(s.total_s, 3), fmt(s.base_tok_s, 0) if s.uses_base else "-",
-            fmt(s.helper_tok_s, 0) if s.uses_helper else "-"])
+            str(s.problems), fmt(s.llama_base_s, 3) if s.key.uses_base else "-",
+            fmt(s.llama_helper_s, 3) if s.key.uses_helper else "-", fmt(s.prm_s, 3), fmt(s.orchestration_s, 3),
+            fmt(s.total_s, 3), fmt(s.base_tok_s, 0) if s.key.uses_base else "-",
+            fmt(s.helper_tok_s, 0) if s.key.uses_helper else "-"])
     align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 8
     notes = setups + ["seconds are means per problem; tok/s = tokens generated / seconds inside llama.cpp for that model "
              "(killed candidates' tokens included)."]

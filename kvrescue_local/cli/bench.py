@@ -43,7 +43,7 @@ def run_command(dataset, data, limit, modes, budgets, ns, policies, results, res
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
     needs_helper = any(m.uses_helper for m in modes)
-    most_sides = max(int(m.uses_base) + int(m.uses_helper) for m in modes)
+    most_sides = max(m.sides for m in modes)
     selection = select_models(options, needs_base, needs_helper, needs_prm=most_sides * max(int_list(ns)) > 1, note=note)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(int_list(budgets))})
     axes = sweep_axes(modes, int_list(budgets), int_list(ns),

@@ -46,7 +46,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
         check_problem(read_utf8(problem_file, "--file"), f"--file {problem_file}")
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)
     selection = select_models(options, mode.uses_base, mode.uses_helper,
-                              needs_prm=(int(mode.uses_base) + int(mode.uses_helper)) * (options["n"] or DEFAULTS.n) > 1,
+                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1,
                               note=note)
     config = selection.config(options)
     config, models = open_models(selection, config, config.uses_base, config.uses_helper, config.candidates_per_round,

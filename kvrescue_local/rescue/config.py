@@ -47,11 +47,10 @@ class RescueConfig:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
         if self.n < 1:
             raise KVRescueError(f"N must be at least 1 (got {self.n}): it is the number of candidates per model per round")
-        sides = int(self.uses_base) + int(self.uses_helper)
         if self.candidates_per_round >= LLAMA_MAX_SEQ:
             raise KVRescueError(f"N={self.n} does not fit: a llama.cpp context holds {LLAMA_MAX_SEQ} sequences, one "
-                                f"for the trajectory and {sides} x N for the candidates (the PRM scores them all at "
-                                f"once); the largest N in {self.mode} mode is {(LLAMA_MAX_SEQ - 1) // sides}")
+                                f"for the trajectory and {self.mode.sides} x N for the candidates (the PRM scores them all at "
+                                f"once); the largest N in {self.mode} mode is {(LLAMA_MAX_SEQ - 1) // self.mode.sides}")
         if self.max_step_tokens < 1 or self.max_tokens < 1 or self.max_steps < 1:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
         if "{problem}" not in self.prompt:
@@ -71,7 +70,7 @@ class RescueConfig:
 
     @property
     def candidates_per_round(self) -> int:
-        return self.n * (int(self.uses_base) + int(self.uses_helper))
+        return self.n * self.mode.sides
 
     def full_context(self, prompt_tokens: int) -> int:
         """Cells of a context that never evicts (the helper, the full-KV base): the prompt, the whole

@@ -54,6 +54,11 @@ class Mode(str, Enum):
         return self in (Mode.BON, Mode.KVRESCUE)
 
     @property
+    def sides(self) -> int:
+        """Models that propose candidates each round."""
+        return int(self.uses_base) + int(self.uses_helper)
+
+    @property
     def detects(self) -> bool:
         """The degeneration detector watches the base's candidates (and base and helper share one trajectory)."""
         return self is Mode.KVRESCUE
