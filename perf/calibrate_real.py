@@ -27,6 +27,7 @@ from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.detect import Detector, DetectorParams, calibrate, compression_ratio
 from kvrescue_local.detect.calibrate import save_params
 from kvrescue_local.eviction import KVBudget
+from kvrescue_local.presets import MODELS_CACHE
 from kvrescue_local.rescue import Rescue, RescueConfig, longest_prompt
 from kvrescue_local.runtime import Model
 
@@ -131,7 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("collect")
-    c.add_argument("--base", type=Path, default=Path("/work/gguf/coder-1.5b.gguf"))
+    c.add_argument("--base", type=Path, default=MODELS_CACHE / "coder-1.5b.gguf")
     c.add_argument("--stats", type=Path, required=True)
     c.add_argument("--datasets", default="gsm8k,math500")
     c.add_argument("--problems", type=int, default=8, help="first PROBLEMS of each dataset")

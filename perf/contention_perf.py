@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode speed with and without a competing busy process, side by side, per thread setting.
 
-For each model (the tiny test model, and /work/gguf/coder-0.5b.gguf or --model if present) and each
+For each model (the tiny test model, and the pulled coder-0.5b (`models pull coder-0.5b`) or --model if present) and each
 thread setting (the old default, every core; every core with OpenMP's passive wait policy; the new
 default, physical cores - 1), a fresh process decodes one sequence token by token, first alone, then
 while a busy Python loop competes for a core. Prints tokens/s idle, tokens/s busy and the slowdown
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REAL_MODEL = Path("/work/gguf/coder-0.5b.gguf")
+REAL_MODEL = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvrescue-local" / "models" / "coder-0.5b.gguf"
 BUSY_LOOP = "while True: pass"
 
 

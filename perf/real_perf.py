@@ -22,11 +22,12 @@ from decode_perf import N_CANDIDATES, candidates_context, timed
 from eviction_perf import generate, n_embd_k_gqa_of
 from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.eviction import KVBudget
+from kvrescue_local.presets import MODELS_CACHE
 from kvrescue_local.prm import PRM, PRMParams
 from kvrescue_local.rescue import Rescue, RescueConfig, longest_prompt
 from kvrescue_local.runtime import Model
 
-GGUF = Path("/work/gguf")
+GGUF = MODELS_CACHE  # `kvrescue-local models pull coder` puts the pair here
 
 
 def eviction_overhead(model: Model, prompt: np.ndarray, args) -> None:

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from kvrescue_local.eviction import EvictionInputs, KVBudget, reference
+from kvrescue_local.presets import MODELS_CACHE
+from kvrescue_local.wheels import WHEEL_MODELS, cached_path
 from kvrescue_local.eviction.rkv import RKVPolicy
 from kvrescue_local.rescue.config import QWEN_MATH_COT
 from kvrescue_local.runtime import Context, ContextParams, Model
@@ -36,7 +38,7 @@ from kvrescue_local.runtime.attention import (GraphCapture, cell_scores, enable_
                                               reset_scores)
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = (Path("/work/gguf/coder-1.5b.gguf"), ROOT / "models" / "toy" / "base.gguf")
+MODELS = (cached_path(WHEEL_MODELS["coder-1.5b"], MODELS_CACHE), ROOT / "models" / "toy" / "base.gguf")
 DATA = ROOT / "kvrescue_local" / "bench" / "data" / "math500.jsonl"
 
 
