@@ -185,15 +185,6 @@ def cuda_cmake_args(cache: Path) -> list[str]:
     return args
 
 
-def compiler_cache_env(build_root: str) -> dict[str, str]:
-    """ccache, when installed, for every compiler (C, C++, CUDA): rebuilds after a patch change take minutes.
-    Kept out of the wheel's cache key: it changes how the wheel is built, not what it contains."""
-    if shutil.which("ccache") is None:
-        return {}
-    launchers = " ".join(f"-DCMAKE_{lang}_COMPILER_LAUNCHER=ccache" for lang in ("C", "CXX", "CUDA"))
-    return {"CCACHE_BASEDIR": build_root, "CCACHE_NOHASHDIR": "1", "KVRESCUE_LAUNCHERS": launchers}
-
-
 def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(prefix="kvrescue-build-") as tmp:
         with tarfile.open(sdist) as tar:
@@ -201,9 +192,7 @@ def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path
         src = Path(tmp) / f"{SDIST_NAME.replace('-', '_')}-{SDIST_VERSION}"
         check_vendored_commit(src)
         apply_patches(src / "vendor" / "llama.cpp", patches)
-        ccache = compiler_cache_env(tmp)
-        launchers = ccache.pop("KVRESCUE_LAUNCHERS", "")
-        env = dict(os.environ, **ccache, CMAKE_ARGS=f"{cmake_args} {launchers}".strip())
+        env = dict(os.environ, CMAKE_ARGS=cmake_args)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
         log(f"building the wheel (CMAKE_ARGS={cmake_args!r}); about 5 minutes on 2 cores")
         started = time.monotonic()
