@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from kvrescue_local.errors import KVRescueError
-from kvrescue_local.eviction import POLICIES, BudgetedSequences, EvictionInputs, KVBudget, evicted_runs, make_policy
+from kvrescue_local.eviction import (POLICIES, BudgetedSequences, EvictionInputs, KVBudget, evicted_runs, make_policy,
+                                     policy_specs)
 from kvrescue_local.eviction import reference
 from kvrescue_local.eviction.rkv import redundancy
 from kvrescue_local.runtime import Context, ContextParams
@@ -78,6 +79,15 @@ def test_policy_specs_set_options_and_refuse_bad_ones():
                           ("streaming:kernel=3", "policy streaming has no option 'kernel': its options are none")]:
         with pytest.raises(KVRescueError, match=message):
             KVBudget(policy=spec)
+
+
+def test_a_list_of_specs_splits_where_a_new_policy_starts():
+    assert policy_specs("rkv:lam=0.1,kernel=5,snapkv, h2o") == ["rkv:lam=0.1,kernel=5", "snapkv", "h2o"]
+    assert policy_specs("streaming") == ["streaming"]
+    with pytest.raises(KVRescueError, match="policy rkv has no option 'snapkv'"):
+        policy_specs("rkv:lam=0.1,snapkv=1")
+    with pytest.raises(KVRescueError, match="no eviction policy"):
+        policy_specs(" , ")
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

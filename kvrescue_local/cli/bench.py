@@ -9,7 +9,7 @@ import click
 from ..bench.datasets import DATASET_NAMES, load_dataset
 from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 from ..compose import open_models, select_models
-from ..eviction import POLICIES
+from ..eviction import policy_specs
 from ..files import check_writable
 from ..rescue import MODES, Mode
 from ..rescue.limits import check_prompts_fit
@@ -28,7 +28,8 @@ def bench() -> None:
 @click.option("--modes", default="full,bon,kvrescue", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
 @click.option("--budgets", default=str(DEFAULTS.kv.budget), show_default=True, help="comma-separated base KV budgets")
 @click.option("--ns", default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
-@click.option("--policies", help=f"comma-separated eviction policies [default: the preset's, else {DEFAULTS.kv.policy}]")
+@click.option("--policies", help="comma-separated eviction policy specs, e.g. rkv,snapkv or rkv:lam=0.1,kernel=5,h2o "
+                                 f"[default: the preset's, else {DEFAULTS.kv.policy}]")
 @search_options
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file the results are appended to")
@@ -47,7 +48,7 @@ def run_command(dataset, data, limit, modes, budgets, ns, policies, results, res
     selection = select_models(options, needs_base, needs_helper, needs_prm=most_sides * max(int_list(ns)) > 1, note=note)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(int_list(budgets))})
     axes = sweep_axes(modes, int_list(budgets), int_list(ns),
-                      name_list(policies, POLICIES, "policy") if policies else [template.kv.policy])
+                      policy_specs(policies) if policies else [template.kv.policy])
     # refuses a bad budget, policy or N before any model is loaded
     candidates = max(rescue_config(axis, template).candidates_per_round for axis in axes)
     template, models = open_models(selection, template, needs_base, needs_helper, candidates,

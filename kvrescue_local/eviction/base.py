@@ -80,6 +80,22 @@ def make_policy(spec: str) -> Policy:
         raise KVRescueError(f"policy {spec!r}: {error}") from None
 
 
+def policy_specs(text: str) -> list[str]:
+    """Comma-separated policy specs, each checked: an item with `=` and no `:` is an option of the spec
+    before it, so `rkv:lam=0.1,kernel=7,snapkv` is two specs."""
+    specs: list[str] = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if "=" in item and ":" not in item and specs:
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    if not specs:
+        raise KVRescueError(f"no eviction policy in {text!r}: use one of {', '.join(sorted(POLICIES))}")
+    for spec in specs:
+        make_policy(spec)
+    return specs
+
+
 def max_pool(x: np.ndarray, kernel: int) -> np.ndarray:
     """Same-length max pooling along the last axis (SnapKV's clustering of neighbouring positions)."""
     if kernel <= 1 or x.shape[-1] == 0:
