@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvrescue_local.bench.estimate import BUILTIN, estimate, parse_contexts, qwen2_spec, resolve_model, spec_from_gguf
-from kvrescue_local.bench.metrics import accuracy_recovered, result_line, summaries
+from kvrescue_local.bench.metrics import accuracy_recovered, oracles, result_line, summaries
 from kvrescue_local.bench.report import load_results, render
 from kvrescue_local.bench.run import results_config, sweep_axes
 from kvrescue_local.cli.report import estimate_command, report
@@ -159,6 +159,19 @@ def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
     kv64 = next(line for line in table_lines(text, "Table 2: ablation") if line.startswith("kvrescue  64"))
     assert kv64.split()[4:8] == ["4", "50.0", "0.0", "0.0"] and kv64.split()[-1] == "50.0"
     assert "kvrescue b64 n8 streaming: KV-Rescue recovers 50% of the accuracy eviction costs, with 1.00x" in text
+
+
+def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_solved(tmp_path):
+    rows = (synthetic("full", 1, 0, [True, True, True, False])
+            + synthetic("bon", 1, 64, [True, False, False, False])
+            + synthetic("helper", 1, 0, [False, True, False]))  # q3 not run by the helper: left out
+    (oracle,) = oracles(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert (oracle.problems, oracle.bon_pass1, oracle.full_pass1) == (3, pytest.approx(100 / 3), 100.0)
+    assert oracle.oracle_pass1 == pytest.approx(200 / 3) and oracle.gap_closed == pytest.approx(50.0)
+    assert ("oracle pick, bon b64 n1 streaming or helper n1, on the 3 problems both solved: 66.7% (evicted 33.3%, "
+            "helper 33.3%, full KV 100.0%): it closes 50% of the gap eviction opens") in render(load_results(
+                write_jsonl(tmp_path / "r.jsonl", rows)))
+    assert oracles(load_results(write_jsonl(tmp_path / "s.jsonl", SYNTHETIC))) == [], "no helper row: no oracle"
 
 
 def test_degeneration_is_recomputed_from_the_steps_and_the_step_cap(tmp_path):

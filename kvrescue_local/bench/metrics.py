@@ -11,6 +11,10 @@
 - early exit: killed base candidates / all base candidates, pooled over problems.
 - accuracy recovered: (acc_kvrescue - acc_bon) / (acc_full - acc_bon) at the same dataset, budget,
   N and policy (full: same dataset and N).
+- oracle pick (the paper's Figure 1a): on the problems that both an evicted best-of-N row and the
+  helper row of the same dataset and N solved, the share where either answer is right, and the part
+  of the eviction gap that this bound closes, (acc_oracle - acc_bon) / (acc_full - acc_bon), with
+  bon and full measured on those same problems.
 Tokens and seconds are means per problem; problems per minute = problems / summed wall time; tok/s =
 tokens generated / seconds inside llama.cpp for that model (killed candidates' tokens included).
 `full` and `helper` do not evict: their budget and policy are None and ignored when grouping.
@@ -245,3 +249,46 @@ def setup_notes(items: list[Summary]) -> list[str]:
         diff = differences(first[labels[0]], theirs, ignore=("seed",)) if theirs and first[labels[0]] else []
         notes.append(f"{label} vs {labels[0]}: {'; '.join(diff) or 'setup not recorded in one of them'}")
     return notes
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """The better of the evicted base's and the helper's answers, problem by problem (an upper bound on a
+    perfect choice between the two)."""
+
+    bon: ConfigKey
+    problems: int
+    bon_pass1: float  # %, on these problems
+    helper_pass1: float
+    oracle_pass1: float
+    full_pass1: float | None  # the full row's, on these problems when it has them all
+    gap_closed: float | None  # % of (full - bon) that the oracle closes
+
+
+def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
+    groups = group_rows(rows, pool_setups)
+
+    def correct_by_id(key: ConfigKey) -> dict[str, bool]:
+        return {str(r["id"]): bool(r["correct"]) for r in groups[key]}
+
+    out = []
+    for bon in (k for k in groups if k.mode == Mode.BON):
+        def partner(mode: Mode) -> ConfigKey | None:
+            return next((k for k in groups if k.mode == mode and k.dataset == bon.dataset and k.n == bon.n
+                         and k.setup == bon.setup), None)
+
+        helper, full = partner(Mode.HELPER), partner(Mode.FULL)
+        if helper is None:
+            continue
+        b, h = correct_by_id(bon), correct_by_id(helper)
+        common = sorted(set(b) & set(h))
+        if not common:
+            continue
+        f = correct_by_id(full) if full else {}
+        pct = lambda flags: 100.0 * sum(flags) / len(common)  # noqa: E731
+        oracle = pct(b[i] or h[i] for i in common)
+        full_pass1 = pct(f[i] for i in common) if all(i in f for i in common) else None
+        gap = accuracy_recovered(oracle, pct(b[i] for i in common), full_pass1) if full_pass1 is not None else None
+        out.append(Oracle(bon, len(common), pct(b[i] for i in common), pct(h[i] for i in common), oracle,
+                          full_pass1, gap))
+    return out

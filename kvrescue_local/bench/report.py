@@ -4,7 +4,8 @@ Table 2 (ablation), one row per configuration (dataset, mode, budget, N, policy,
   problems, pass@1, degeneration, length-cap stops, base tokens, committed steps, early exits, helper
   tokens, problems per minute, PRM seconds and, for kvrescue rows, the accuracy recovered; below it,
   per kvrescue row, the share of the accuracy lost to eviction that it recovers and its base tokens
-  relative to evicted best-of-N.
+  relative to evicted best-of-N; and, where a bon row and a helper row of the same N exist, the oracle
+  pick between their answers (the paper's Figure 1a).
 Table 1 (decode cost), per configuration: mean seconds per problem inside llama.cpp for the base and
   the helper, in the PRM, in orchestration (the rest), in total; tokens per second of base and helper.
 Every number is defined in kvrescue_local/bench/metrics.py. Rows of one configuration made with different
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .metrics import Summary, setup_notes, summaries
+from .metrics import Summary, oracles, setup_notes, summaries
 
 REQUIRED = ("config", "correct", "n_steps", "tokens", "timings")
 REQUIRED_CONFIG = ("mode", "n")
@@ -180,9 +181,20 @@ def table1(items: list[Summary]) -> Table:
     return Table("Table 1: decode cost", headers, rows, align, notes)
 
 
+def oracle_notes(rows: list[dict], pool_setups: bool) -> list[str]:
+    notes = []
+    for o in oracles(rows, pool_setups):
+        full = "" if o.full_pass1 is None else f", full KV {fmt(o.full_pass1)}%"
+        gap = "" if o.gap_closed is None else f": it closes {o.gap_closed:.0f}% of the gap eviction opens"
+        notes.append(f"oracle pick, {o.bon.label} or helper n{o.bon.n}, on the {o.problems} problems both solved: "
+                     f"{fmt(o.oracle_pass1)}% (evicted {fmt(o.bon_pass1)}%, helper {fmt(o.helper_pass1)}%{full}){gap}")
+    return notes
+
+
 def render(rows: list[dict], markdown: bool = False, pool_setups: bool = False) -> str:
     items = summaries(rows, pool_setups)
     tables = [table2(items), table1(items)]
+    tables[0].notes += oracle_notes(rows, pool_setups)
     return "\n\n".join(t.markdown() if markdown else t.text() for t in tables) + "\n"
 
 
