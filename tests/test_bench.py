@@ -1,7 +1,6 @@
 """Benchmark sweeps, grading, datasets (vendored, hub cache, JSONL) and resumability."""
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -5,9 +5,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import numpy as np
-
 from ..answers import last_boxed
 from ..detect import Detector
 from ..errors import KVRescueError
