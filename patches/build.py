@@ -194,7 +194,8 @@ def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path
         apply_patches(src / "vendor" / "llama.cpp", patches)
         env = dict(os.environ, CMAKE_ARGS=cmake_args)
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        log(f"building the wheel (CMAKE_ARGS={cmake_args!r}); about 5 minutes on 2 cores")
+        log(f"building the wheel (CMAKE_ARGS={cmake_args!r}); on 2 cores about 5 minutes for the CPU, "
+            "most of an hour with CUDA")
         started = time.monotonic()
         wheel_tmp = Path(tmp) / "wheel"
         res = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheel_tmp), str(src)], env=env)

@@ -90,3 +90,7 @@ def test_doctor_decodes_a_tiny_model():
     result = CliRunner().invoke(main, ["doctor"])
     assert result.exit_code == 0, result.output
     assert f"patch level: {REQUIRED_PATCH_LEVEL}" in result.output and result.output.strip().endswith("ok")
+    from kvrescue_local.runtime.lib import backends
+
+    if [name for name, _ in backends()] == ["CPU"]:
+        assert "backends: CPU (1 device)" in result.output and "GPU offload: no (CPU build)" in result.output
