@@ -14,6 +14,7 @@ from kvrescue_local.bench.grade import is_correct
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
+from kvrescue_local.rescue.record import Trajectory
 from kvrescue_local.answers import last_boxed
 
 
@@ -94,6 +95,10 @@ def test_killed_sweep_resumes_without_duplicates_or_gaps(base_path, helper_path,
     assert {r["config_key"] for r in rows} == {"full-b0-n2-none", "kvrescue-b32-n2-rkv"}
     row = rows[0]
     assert set(row) >= {"gold", "answer", "correct", "degenerate", "n_steps", "tokens", "timings", "detector"}
+    for row in rows:  # each row carries its whole trajectory, candidates included
+        trajectory = Trajectory.from_json(row["trajectory"])
+        assert trajectory.answer == row["answer"] and trajectory.n_steps == row["n_steps"]
+        assert sum(len(s.candidates) for s in trajectory.steps) >= row["n_steps"]
     report = CliRunner().invoke(main, ["report", str(results), "--plots", str(tmp_path / "plots")])
     assert report.exit_code == 0, report.output
     assert "full" in report.output and "kvrescue" in report.output and "pass@1" in report.output
