@@ -9,7 +9,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from kvrescue_local.bench.datasets import HUB, load_dataset
+from kvrescue_local.bench.datasets import HUB, load_dataset, split_of
 from kvrescue_local.bench.grade import is_correct
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.cli import main
@@ -28,6 +28,17 @@ def test_every_gold_answer_grades_against_itself_and_perturbed_ones_fail(name):
         assert not is_correct(p.answer, f"{p.answer}+1"), p
     assert not is_correct("54", None)
     assert is_correct("\\frac{14}{3}", "\\dfrac{14}{3}")
+
+
+def test_gsm8k_splits_never_mix_and_other_datasets_refuse_a_split():
+    train = load_dataset("gsm8k", split="train")
+    evaluation = load_dataset("gsm8k", split="eval", limit=5)
+    assert len(train.problems) == 900 and train.problems[-1].id == "899"
+    assert [p.id for p in evaluation.problems] == ["900", "901", "902", "903", "904"]
+    assert {split_of("gsm8k", p.id) for p in train.problems} == {"train"}
+    assert split_of("gsm8k", "900") == "eval" and split_of("math500", "0") is None
+    with pytest.raises(KVRescueError, match="gsm8k"):
+        load_dataset("math500", split="train")
 
 
 def write_jsonl(path, rows):

@@ -31,6 +31,9 @@ HUB = {
     "amc23": HubDataset("math-ai/amc23", "test.jsonl", "question", "answer"),
     "olympiadbench": HubDataset("math-ai/olympiadbench", "test.jsonl", "question", "final_answer"),
 }
+# Fixed splits for work that learns from a dataset (the coder PRM): ids in [start, stop) of the vendored file.
+# Training reads only "train" rows and evaluation only "eval" rows, so the two are never mixed.
+SPLITS = {"gsm8k": {"train": (0, 900), "eval": (900, 1319)}}
 GENERATED = ("toy",)  # kvrescue_local/toy/task.py: the toy ledger task, graded by exact integer match
 DATASET_NAMES = sorted([*VENDORED, *HUB, *GENERATED])
 
@@ -97,9 +100,21 @@ def fetch_hub_dataset(spec: HubDataset, cache_dir: str | Path | None = None, off
                             f"({type(exc).__name__}): check the network or pass --data FILE.jsonl") from None
 
 
+def split_of(dataset: str, problem_id: str) -> str | None:
+    """The split ("train" or "eval") a problem of a split dataset belongs to; None for other datasets."""
+    for split, (start, stop) in SPLITS.get(dataset, {}).items():
+        if problem_id.isdigit() and start <= int(problem_id) < stop:
+            return split
+    return None
+
+
 def load_dataset(name: str | None = None, path: str | Path | None = None, limit: int | None = None,
-                 cache_dir: str | Path | None = None, offline: bool | None = None) -> Dataset:
-    """A dataset by name or from a JSONL path, its first `limit` problems when given."""
+                 cache_dir: str | Path | None = None, offline: bool | None = None, split: str | None = None) -> Dataset:
+    """A dataset by name or from a JSONL path (the problems of one split when given), its first `limit` problems
+    when given."""
+    if split is not None and (path is not None or name not in SPLITS or split not in SPLITS[name]):
+        splits = ", ".join(f"{d} ({'/'.join(s)})" for d, s in SPLITS.items())
+        raise KVRescueError(f"--split {split} needs a dataset with that split: {splits}")
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -115,4 +130,7 @@ def load_dataset(name: str | None = None, path: str | Path | None = None, limit:
         dataset = toy_dataset()
     else:
         raise KVRescueError(f"unknown dataset {name!r}: use one of {', '.join(DATASET_NAMES)} or --data FILE.jsonl")
-    return Dataset(dataset.label, dataset.problems[:limit], dataset.grade) if limit else dataset
+    problems = dataset.problems
+    if split is not None:
+        problems = [p for p in problems if split_of(dataset.label, p.id) == split]
+    return Dataset(dataset.label, problems[:limit] if limit else problems, dataset.grade)

@@ -25,6 +25,8 @@ def bench() -> None:
 @click.option("--dataset", default="math500", show_default=True, help=f"one of {', '.join(DATASET_NAMES)}")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
 @click.option("--limit", type=int, help="first LIMIT problems only")
+@click.option("--split", type=click.Choice(["train", "eval"]),
+              help="only the problems of a fixed split (gsm8k: ids 0-899 train, 900-1318 eval)")
 @click.option("--modes", default="full,bon,kvrescue", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
 @click.option("--budgets", default=str(DEFAULTS.kv.budget), show_default=True, help="comma-separated base KV budgets")
 @click.option("--ns", default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
@@ -36,11 +38,11 @@ def bench() -> None:
 @click.option("--resume", is_flag=True, help="continue RESULTS, skipping what is done")
 @click.option("--shard", help="i/n: run the i-th of n interleaved slices (merge them with `bench merge`)")
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
-def run_command(dataset, data, limit, modes, budgets, ns, policies, results, resume, shard, offline, **options) -> None:
+def run_command(dataset, data, limit, split, modes, budgets, ns, policies, results, resume, shard, offline, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results")
-    data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None)
+    data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None, split=split)
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
     needs_helper = any(m.uses_helper for m in modes)
