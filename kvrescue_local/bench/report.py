@@ -128,7 +128,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 def _config_cells(s: Summary, with_dataset: bool, with_setup: bool) -> list[str]:
     cells = [s.key.dataset] if with_dataset else []
-    cells += [s.key.mode, "-" if s.key.budget is None else str(s.key.budget), str(s.key.n), s.key.policy or "-"]
+    cells += [s.key.mode_label, "-" if s.key.budget is None else str(s.key.budget), str(s.key.n), s.key.policy or "-"]
     return cells + ([s.key.setup] if with_setup else [])
 
 

@@ -34,7 +34,7 @@ from ..rescue import RescueConfig
 
 ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
-NOT_SETTINGS = ("mode", "n", "budget", "policy", "prompt", "n_gpu_layers", "n_threads", "flash_attn", "n_batch",
+NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "prompt", "n_gpu_layers", "n_threads", "flash_attn", "n_batch",
                 "helper_ctx", "kv", "detector")
 GGUF_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 GGUF_STRING, GGUF_ARRAY = 8, 9
@@ -188,13 +188,14 @@ def file_hash(path: Path) -> str:
     return _fingerprint(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
-def model_fingerprint(path: str | Path) -> dict:
+def model_fingerprint(path: str | Path, head: str | Path | None = None) -> dict:
     """{"file", "size", "sha256"}: name, size, and the hash of the header and tensor index (for a PRM,
-    "head_sha256" too: the reward head beside the backbone)."""
+    "head_sha256" too: its reward head, `head` or the one beside the backbone)."""
     path = Path(path)
     out = {"file": path.name, "size": path.stat().st_size, "sha256": file_hash(path)}
-    if head_path(path).exists():
-        out["head_sha256"] = file_hash(head_path(path))
+    head = Path(head) if head is not None else head_path(path)
+    if head.exists():
+        out["head_sha256"] = file_hash(head)
     return out
 
 
@@ -204,10 +205,12 @@ def settings(config: RescueConfig) -> dict:
     return {k: v for k, v in sorted(flat.items()) if k not in NOT_SETTINGS}
 
 
-def setup(config: RescueConfig, model_files: dict[str, Path | None]) -> dict:
-    """What a row records: the model files its mode uses (by role), the prompt template, the settings."""
-    used = {"base": config.uses_base, "helper": config.uses_helper, "prm": config.candidates_per_round > 1}
-    return {"models": {role: model_fingerprint(path) for role, path in model_files.items() if path and used[role]},
+def setup(config: RescueConfig, model_files: dict[str, Path | None], prm_head: Path | None = None) -> dict:
+    """What a row records: the model files its mode uses (by role; the PRM's with its reward head), the prompt
+    template, the settings."""
+    used = {"base": config.uses_base, "helper": config.uses_helper, "prm": config.needs_prm}
+    return {"models": {role: model_fingerprint(path, prm_head if role == "prm" else None)
+                       for role, path in model_files.items() if path and used[role]},
             "prompt_sha256": hashlib.sha256(config.prompt.encode()).hexdigest()[:16],
             "settings": settings(config)}
 

@@ -30,19 +30,24 @@ class Axis:
     budget: int
     n: int
     policy: str
+    choice: str = "prm"
 
     @property
     def key(self) -> str:
-        return f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}"
+        return f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}" + ("" if self.choice == "prm" else f"-{self.choice}")
 
 
-def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str]) -> list[Axis]:
-    """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once."""
+def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str],
+               choices: Iterable[str] = ("prm",)) -> list[Axis]:
+    """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once, and
+    the choice matters only where a round has more than one candidate."""
     axes = []
-    for mode, budget, n, policy in product(map(Mode.parse, modes), budgets, ns, policies):
+    for mode, budget, n, policy, choice in product(map(Mode.parse, modes), budgets, ns, policies, choices):
         if not mode.evicts:
             budget, policy = 0, "none"
-        axis = Axis(mode, budget, n, policy)
+        if n * mode.sides == 1:
+            choice = "prm"
+        axis = Axis(mode, budget, n, policy, choice)
         if axis not in axes:
             axes.append(axis)
     return axes
@@ -50,7 +55,7 @@ def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable
 
 def rescue_config(axis: Axis, template: RescueConfig) -> RescueConfig:
     kv = dataclasses.replace(template.kv, budget=axis.budget, policy=axis.policy) if axis.budget else template.kv
-    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv)
+    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv, choice=axis.choice)
 
 
 def results_config(axis: Axis, config: RescueConfig) -> dict:
@@ -105,7 +110,8 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         if rows and not resume:
             raise KVRescueError(f"{results} already holds {len(rows)} results: pass --resume to continue it or "
                                 "choose a new file")
-        setups = {axis: setup(rescue_config(axis, template), models.files()) for axis in axes}
+        setups = {axis: setup(rescue_config(axis, template), models.files(), models.prm and models.prm.head_file)
+                  for axis in axes}
         every_model = {role: f for s in setups.values() for role, f in s["models"].items()}
         check_same_setup({**setups[axes[0]], "models": every_model}, distinct_setups(rows, results), results,
                          "resume with the same models and options or write to a new results file")

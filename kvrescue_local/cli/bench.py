@@ -12,6 +12,7 @@ from ..compose import open_models, select_models
 from ..eviction import policy_specs
 from ..files import check_writable
 from ..rescue import MODES, Mode
+from ..rescue.config import CHOICES
 from ..rescue.limits import check_prompts_fit
 from .common import DEFAULTS, int_list, name_list, note, search_options
 
@@ -32,13 +33,16 @@ def bench() -> None:
 @click.option("--ns", default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
 @click.option("--policies", help="comma-separated eviction policy specs, e.g. rkv,snapkv or rkv:lam=0.1,kernel=5,h2o "
                                  f"[default: the preset's, else {DEFAULTS.kv.policy}]")
+@click.option("--choice", "choices", default=DEFAULTS.choice, show_default=True,
+              help=f"comma-separated: how rounds with a choice pick their winner ({', '.join(CHOICES)}: the PRM's "
+                   "favourite, or at random, the PRM's baseline); each is a configuration of its own")
 @search_options
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file the results are appended to")
 @click.option("--resume", is_flag=True, help="continue RESULTS, skipping what is done")
 @click.option("--shard", help="i/n: run the i-th of n interleaved slices (merge them with `bench merge`)")
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
-def run_command(dataset, data, limit, split, modes, budgets, ns, policies, results, resume, shard, offline, **options) -> None:
+def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choices, results, resume, shard, offline, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results")
@@ -46,13 +50,16 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, resul
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
     needs_helper = any(m.uses_helper for m in modes)
+    choices = name_list(choices, CHOICES, "choice")
     most_sides = max(m.sides for m in modes)
-    selection = select_models(options, needs_base, needs_helper, needs_prm=most_sides * max(int_list(ns)) > 1, note=note)
+    selection = select_models(options, needs_base, needs_helper,
+                              needs_prm=most_sides * max(int_list(ns)) > 1 and "prm" in choices, note=note)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(int_list(budgets))})
     axes = sweep_axes(modes, int_list(budgets), int_list(ns),
-                      policy_specs(policies) if policies else [template.kv.policy])
+                      policy_specs(policies) if policies else [template.kv.policy], choices)
     # refuses a bad budget, policy or N before any model is loaded
-    candidates = max(rescue_config(axis, template).candidates_per_round for axis in axes)
+    configs = [rescue_config(axis, template) for axis in axes]
+    candidates = max((c.candidates_per_round for c in configs if c.needs_prm), default=1)
     template, models = open_models(selection, template, needs_base, needs_helper, candidates,
                                    [p.problem for p in data_set.problems],
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])

@@ -11,6 +11,7 @@ from ..compose import open_models, select_models
 from ..eviction import POLICY_HELP
 from ..files import check_writable, read_utf8
 from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
+from ..rescue.config import CHOICES
 from ..rescue.limits import check_problem, check_prompts_fit
 from .common import DEFAULTS, note, preset_default, search_options, write_json_atomically
 
@@ -34,6 +35,9 @@ def show(step: Step) -> None:
 @click.option("-n", "--n", "n", type=int, help=f"candidates per model per round {preset_default(DEFAULTS.n)}")
 @click.option("--budget", type=int, help=f"base KV budget (entries kept) {preset_default(DEFAULTS.kv.budget)}")
 @click.option("--policy", help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
+@click.option("--choice", type=click.Choice(CHOICES),
+              help=f"how a round's winner is chosen: the PRM's favourite, or at random (seeded per round) "
+                   f"{preset_default(DEFAULTS.choice)}")
 @search_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, json_path, **options) -> None:
@@ -45,11 +49,13 @@ def solve(problem, problem_file, json_path, **options) -> None:
     text = check_problem(problem, "the PROBLEM argument") if problem is not None else \
         check_problem(read_utf8(problem_file, "--file"), f"--file {problem_file}")
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)
+    choice = options["choice"] or DEFAULTS.choice
     selection = select_models(options, mode.uses_base, mode.uses_helper,
-                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1,
+                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and choice == "prm",
                               note=note)
     config = selection.config(options)
-    config, models = open_models(selection, config, config.uses_base, config.uses_helper, config.candidates_per_round,
+    config, models = open_models(selection, config, config.uses_base, config.uses_helper,
+                                 config.candidates_per_round if config.needs_prm else 1,
                                  [text], prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
     check_prompts_fit(config, [models.base, models.helper], {"the problem": text})
     engine = Rescue(config, models.base, models.helper, models.prm,

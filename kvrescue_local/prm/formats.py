@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from ..errors import KVRescueError
 
 QWEN_MATH_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
+# Qwen2.5-Math's chat prompt (a str.format template, hence {{}}): the real presets' models solve in it
+QWEN_MATH_CHAT = ("<|im_start|>system\n" + QWEN_MATH_SYSTEM.replace("{", "{{").replace("}", "}}") +
+                  "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n")
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,7 @@ FORMATS = {
     # Qwen2.5-Math-PRM: chat template, steps joined by <extra_0> with a trailing one.
     "qwen-prm": PRMFormat(
         name="qwen-prm",
-        prompt=("<|im_start|>system\n" + QWEN_MATH_SYSTEM.replace("{", "{{").replace("}", "}}") + "<|im_end|>\n"
-                "<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"),
+        prompt=QWEN_MATH_CHAT,
         step_end="<extra_0>",
         output="softmax1",
     ),
@@ -44,6 +46,15 @@ FORMATS = {
         prompt="<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n",
         step_end="\n\n<extra_0>",
         output="softmax1",
+    ),
+    # A value head on a chat model itself (the coder preset's PRM: a head trained on the 0.5B's own hidden
+    # states, `kvrescue-local prm train`): the chat prompt the models solve in, steps as the loop commits
+    # them (each ends in a blank line), the reward read at that blank line, sigmoid.
+    "chat-value": PRMFormat(
+        name="chat-value",
+        prompt=QWEN_MATH_CHAT,
+        step_end="\n\n",
+        output="sigmoid",
     ),
     # Skywork-o1-Open-PRM: bos + problem + "\n", each step closed by "\n", sigmoid value head.
     "value-head": PRMFormat(name="value-head", prompt="{bos}{problem}\n", step_end="\n", output="sigmoid"),

@@ -61,8 +61,8 @@ class RewardHead:
     def load(cls, path: str | Path, hidden_size: int | None = None) -> "RewardHead":
         path = Path(path)
         if not path.exists():
-            raise KVRescueError(f"reward head not found: {path}; it is written beside the backbone by "
-                                "`kvrescue-local models convert-prm`")
+            raise KVRescueError(f"reward head not found: {path}; `kvrescue-local models convert-prm` writes one beside "
+                                "a converted backbone, `kvrescue-local prm train` trains one for a preset")
         try:
             with np.load(path) as data:
                 meta = json.loads(str(data["meta"]))

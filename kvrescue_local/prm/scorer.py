@@ -34,11 +34,16 @@ class PRMParams:
 
 
 class PRM:
-    def __init__(self, path: str | Path, params: PRMParams = PRMParams()) -> None:
+    def __init__(self, path: str | Path, params: PRMParams = PRMParams(), head: str | Path | None = None,
+                 features_only: str | None = None) -> None:
+        """head: the reward head's file (default: beside the backbone, head_path(path)); a head trained on a
+        model used as it is ships apart from its backbone. features_only: a format name; the backbone's hidden
+        states are read in it and no head is loaded (training one: only the *_hidden methods work)."""
         self.params = params
         self.model = Model(path, n_gpu_layers=params.n_gpu_layers)
-        self.head = RewardHead.load(head_path(path), hidden_size=self.model.n_embd)
-        self.format = prm_format(self.head.format)
+        self.head_file = None if features_only else Path(head) if head is not None else head_path(path)
+        self.head = self.head_file and RewardHead.load(self.head_file, hidden_size=self.model.n_embd)
+        self.format = prm_format(features_only or self.head.format)
         self.ctx = self.new_context(params.n_ctx)
         self.bos = self.model.detokenize([self.model.bos])
         self.prefix: list[np.ndarray] = []  # the tokens of sequence 0 by segment, to re-encode when the context grows
@@ -63,14 +68,19 @@ class PRM:
         self.prefix.append(tokens)
 
     def score(self, steps: list[str]) -> np.ndarray:
-        """Reward of each candidate step given the committed trajectory.
+        """Reward of each candidate step given the committed trajectory."""
+        return self.rewards(self.candidate_hidden(steps))
+
+    def candidate_hidden(self, steps: list[str]) -> np.ndarray:
+        """The backbone's final hidden state at the end of each candidate step given the committed trajectory
+        [len(steps), n_embd]: what `score` feeds the head (and what a head is trained on).
 
         Candidates are decoded together in groups of at most n_batch tokens, and each group's
         sequences are dropped once read: in a unified KV cache every query attends over all
         resident cells, so keeping earlier groups would make a round quadratic in its tokens.
         """
         if not steps:
-            return np.zeros(0, np.float32)
+            return np.zeros((0, self.model.n_embd), np.float32)
         if len(steps) > self.params.max_candidates:
             raise KVRescueError(f"{len(steps)} candidates exceed the PRM's max_candidates="
                                 f"{self.params.max_candidates}: raise it")
@@ -88,7 +98,7 @@ class PRM:
             outputs[np.cumsum([len(pieces[i]) for i in group]) - 1] = 1
             hidden.append(self.decode_hidden(tokens, positions, seq_ids, outputs))
             self.drop_candidates()
-        return self.head.rewards(np.concatenate(hidden))
+        return np.concatenate(hidden)
 
     def groups(self, lengths: list[int]) -> list[list[int]]:
         """Consecutive candidates packed into groups of at most n_batch tokens (a longer one stands alone)."""
@@ -112,20 +122,30 @@ class PRM:
     # --- whole trajectories -------------------------------------------------
     def score_trajectory(self, problem: str, steps: list[str]) -> np.ndarray:
         """Per-step rewards of a whole trajectory encoded from scratch (resets the incremental state)."""
+        return self.rewards(self.trajectory_hidden(problem, steps))
+
+    def trajectory_hidden(self, problem: str, steps: list[str]) -> np.ndarray:
+        """The backbone's final hidden state at the end of each step of a whole trajectory encoded from scratch
+        [len(steps), n_embd] (resets the incremental state): what `score_trajectory` feeds the head."""
         self.start(problem)
         if not steps:
-            return np.zeros(0, np.float32)
+            return np.zeros((0, self.model.n_embd), np.float32)
         pieces = [self.model.tokenize(self.format.step_text(s)) for s in steps]
         tokens = np.concatenate(pieces)
         self.make_room(self.ctx.pos_max(PREFIX) + 1 + len(tokens))
         start = self.ctx.pos_max(PREFIX) + 1
         outputs = np.zeros(len(tokens), np.int8)
         outputs[np.cumsum([len(p) for p in pieces]) - 1] = 1
-        hidden = self.decode_hidden(tokens, start + np.arange(len(tokens), dtype=np.int32),
-                                    np.zeros(len(tokens), np.int32), outputs)
-        return self.head.rewards(hidden)
+        return self.decode_hidden(tokens, start + np.arange(len(tokens), dtype=np.int32),
+                                  np.zeros(len(tokens), np.int32), outputs)
 
     # --- plumbing -----------------------------------------------------------
+    def rewards(self, hidden: np.ndarray) -> np.ndarray:
+        if self.head is None:
+            raise KVRescueError(f"this PRM on {self.model.path.name} reads hidden states only (opened without a reward "
+                                "head): open it with its head to score steps")
+        return self.head.rewards(hidden)
+
     def make_room(self, needed: int) -> None:
         """Grow the context to hold `needed` tokens (at least doubling it, up to the PRM's training context) and
         re-encode the committed prefix into it: the trajectory's length in the PRM's tokens is known only as it grows."""

@@ -12,14 +12,13 @@ from dataclasses import asdict, dataclass, field
 from ..detect import DetectorParams
 from ..errors import KVRescueError
 from ..eviction import KVBudget
-from ..prm.formats import QWEN_MATH_SYSTEM
+from ..prm.formats import QWEN_MATH_CHAT
 from ..runtime import DEFAULT_FLASH_ATTN
 from .record import Mode
 
+CHOICES = ("prm", "random")  # how a round's winner is chosen among its survivors
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
-# The real presets' chat format (Qwen2.5-Math's chain-of-thought prompt); a template, hence {{}}
-QWEN_MATH_COT = ("<|im_start|>system\n" + QWEN_MATH_SYSTEM.replace("{", "{{").replace("}", "}}") +
-                 "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n")
+QWEN_MATH_COT = QWEN_MATH_CHAT  # the real presets' chat format (Qwen2.5-Math's chain-of-thought prompt)
 PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
 
 
@@ -42,6 +41,9 @@ class RescueConfig:
     n_batch: int = 512
     kv_type: str = "f16"
     helper_ctx: int = 0  # helper (and full-KV base) context; 0 = exactly what the limits need
+    # the round's winner: the PRM's favourite, or "random": a survivor drawn by a seed of (seed, problem, round),
+    # the baseline that says what the PRM's choice is worth
+    choice: str = "prm"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -53,6 +55,8 @@ class RescueConfig:
                                 f"once); the largest N in {self.mode} mode is {(LLAMA_MAX_SEQ - 1) // self.mode.sides}")
         if self.max_step_tokens < 1 or self.max_tokens < 1 or self.max_steps < 1:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
+        if self.choice not in CHOICES:
+            raise KVRescueError(f"unknown choice {self.choice!r}: use one of {', '.join(CHOICES)}")
         if "{problem}" not in self.prompt:
             raise KVRescueError("the prompt template must contain {problem}")
 
@@ -71,6 +75,11 @@ class RescueConfig:
     @property
     def candidates_per_round(self) -> int:
         return self.n * self.mode.sides
+
+    @property
+    def needs_prm(self) -> bool:
+        """A PRM chooses: rounds have more than one candidate and the choice is the PRM's."""
+        return self.candidates_per_round > 1 and self.choice == "prm"
 
     def full_context(self, prompt_tokens: int) -> int:
         """Cells of a context that never evicts (the helper, the full-KV base): the prompt, the whole

@@ -8,7 +8,10 @@ Modes share this machinery: `full` (base, no eviction), `bon` (base with evictio
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Callable
+
+import numpy as np
 
 from ..answers import last_boxed
 from ..detect import Detector
@@ -40,6 +43,15 @@ def longest_prompt(config: RescueConfig, models: list[Model | None], problems: l
     return max(len(m.tokenize(config.prompt.format(problem=p))) for m in models if m is not None for p in problems)
 
 
+def choose(survivors: list[Draft], config: RescueConfig, problem: str, round_index: int) -> Draft:
+    """The round's winner: the best scored survivor, or with choice "random" one drawn by a seed of the run's
+    seed, the problem and the round (reproducible, and not the same draw on every problem)."""
+    if config.choice == "random":
+        rng = np.random.default_rng([config.seed, zlib.crc32(problem.encode()), round_index])
+        return survivors[int(rng.integers(len(survivors)))]
+    return max(survivors, key=lambda c: c.score if c.score is not None else 0.0)
+
+
 class Rescue:
     """Runs problems through one mode; models, contexts and the PRM are created once and reused."""
 
@@ -50,11 +62,11 @@ class Rescue:
             raise KVRescueError(f"mode {config.mode} needs a base model: pass --base")
         if config.uses_helper and helper is None:
             raise KVRescueError(f"mode {config.mode} needs a helper model: pass --helper")
-        if prm is None and config.candidates_per_round > 1:
+        if prm is None and config.needs_prm:
             raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
-                                "them: pass --prm (or use N=1)")
+                                "them: pass --prm (or use N=1, or --choice random)")
         self.same_vocab = check_compatible(base, helper) if config.uses_base and config.uses_helper else False
-        self.prm = prm if config.candidates_per_round > 1 else None  # with one candidate there is nothing to choose
+        self.prm = prm if config.needs_prm else None  # with one candidate there is nothing to choose
         sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
         full_ctx = config.full_context(prompt_tokens_max)
         common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
@@ -101,7 +113,7 @@ class Rescue:
                 for cand, score in zip(survivors, self.prm.score([c.content for c in survivors])):
                     cand.score = float(score)
                 prm_seconds += time.perf_counter() - t0
-            winner = max(survivors, key=lambda c: c.score if c.score is not None else 0.0)
+            winner = choose(survivors, cfg, problem, round_index)
             self.commit(winner)
             if self.prm:
                 t0 = time.perf_counter()
