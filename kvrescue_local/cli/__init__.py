@@ -10,6 +10,7 @@ from ..files import os_error_message
 from .bench import bench
 from .doctor import doctor, package_version
 from .models import models
+from .prm import prm
 from .report import estimate_command, report
 from .solve import solve
 from .toy import toy
@@ -33,5 +34,5 @@ def main() -> None:
     """KV-Rescue on llama.cpp: an evicted base model rescued by a full-context helper and a PRM."""
 
 
-for command in (doctor, solve, models, bench, toy, report, estimate_command):
+for command in (doctor, solve, models, bench, prm, toy, report, estimate_command):
     main.add_command(command)

@@ -1,0 +1,107 @@
+"""`kvrescue-local prm`: train a value head for a preset's PRM backbone on the pair's own rollouts, and
+evaluate it on held-out problems (kvrescue_local/prmtrain)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..bench.datasets import DATASET_NAMES
+from ..prm import FORMATS
+from ..rescue import MODES
+from .common import int_list, name_list, note
+
+
+@click.group()
+def prm() -> None:
+    """A PRM for a preset: a value head on its PRM backbone, trained on step-labelled rollouts of its models."""
+
+
+@prm.command("train")
+@click.option("--preset", default="coder", show_default=True, help="whose models roll out and whose PRM backbone reads")
+@click.option("--rollouts", type=click.Path(dir_okay=False, path_type=Path),
+              help="results file of the rollouts, extended by stage 1 [default: the cache's <preset>-<dataset>-train.jsonl]")
+@click.option("--no-rollouts", is_flag=True, help="skip stage 1: train on the file's rows as they are (another "
+                                                  "process may be writing it)")
+@click.option("--dataset", default="gsm8k", show_default=True, help=f"one of {', '.join(DATASET_NAMES)} (its training "
+                                                                    "split where it has one)")
+@click.option("--limit", type=int, default=100, show_default=True, help="first LIMIT problems of the training split")
+@click.option("--modes", default="full,bon,helper", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
+@click.option("--budgets", default="64,128", show_default=True, help="comma-separated base KV budgets")
+@click.option("--max-tokens", type=int, default=768, show_default=True, help="trajectory length cap")
+@click.option("--seed", "-s", type=int, default=0, show_default=True)
+@click.option("--format", "fmt", type=click.Choice(sorted(FORMATS)), default="chat-value", show_default=True,
+              help="how the backbone reads a trajectory (the head records it)")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="the head file [default: where the preset reads it; coder: models/coder/prm.head.npz]")
+@click.option("--threads", "-t", type=int, default=0, show_default=True, help="llama.cpp threads (0: KVRESCUE_THREADS, "
+                                                                              "else physical cores - 1)")
+def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets, max_tokens, seed, fmt, out,
+                  threads) -> None:
+    """Roll out (resumable), read hidden states (cached), fit a value head in numpy, write it."""
+    from ..prmtrain.pipeline import (Rollouts, Stopwatch, features, head_file, labelled_rows, open_backbone,
+                                     run_rollouts, train)
+
+    plan = Rollouts(dataset=dataset, limit=limit, modes=tuple(name_list(modes, MODES, "mode")),
+                    budgets=tuple(int_list(budgets)), max_tokens=max_tokens, seed=seed, threads=threads)
+    rollouts = rollouts or plan.default_file(preset)
+    out = out or head_file(preset)
+    clock = Stopwatch()
+    if not no_rollouts:
+        with click.progressbar(length=plan.limit * len(plan.modes) * len(plan.budgets), label="1/3 rollouts",
+                               file=sys.stderr) as bar:
+            written = run_rollouts(preset, plan, rollouts, on_result=lambda row: bar.update(1), on_skip=bar.update)
+        click.echo(f"stage 1, rollouts: {written} new rows in {rollouts}, {clock.lap():.0f} s")
+    rows, steps, left_out = labelled_rows(rollouts, "train")
+    click.echo(f"{len(rows)} rows ({left_out} left out: no trajectory record or an error), {len(steps)} labelled "
+               f"steps ({sum(s.label for s in steps)} right) of {len({s.problem for s in steps})} problems")
+    backbone = open_backbone(preset, threads, features_only=fmt)
+    clock.lap()
+    counts = {"cached": 0, "read": 0}
+    with click.progressbar(length=len(rows), label="2/3 features", file=sys.stderr) as bar:
+        def progress(cached: bool) -> None:
+            counts["cached" if cached else "read"] += 1
+            bar.update(1)
+
+        hidden = features(backbone, rows, progress)
+    seconds = clock.lap()
+    rate = f", {seconds / counts['read']:.1f} s per row read" if counts["read"] else ""
+    click.echo(f"stage 2, features: {counts['read']} rows read, {counts['cached']} cached, {seconds:.0f} s{rate}")
+    fit = train(hidden, steps, fmt)
+    seconds = clock.lap()
+    for label, value in fit.validation.items():
+        click.echo(f"  validation AUC {label:>16s}: {value:.3f}")
+    fit.head.save(out)
+    click.echo(f"stage 3, train: {fit.kind} l2={fit.l2:g} on {fit.steps} steps ({fit.positives} right), training AUC "
+               f"{fit.train_auc:.3f}, {seconds:.1f} s; wrote {out}")
+
+
+@prm.command("eval")
+@click.option("--rollouts", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
+              help="results file of `bench run --split eval` (evaluation problems only)")
+@click.option("--preset", default="coder", show_default=True, help="whose PRM (backbone and head) to evaluate")
+@click.option("--head", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a head file [default: the preset's]")
+@click.option("--threads", "-t", type=int, default=0, show_default=True)
+def eval_command(rollouts, preset, head, threads) -> None:
+    """Step-level AUC and pairwise accuracy (right vs wrong step of one problem and round, by the wrong step's
+    origin) on evaluation problems."""
+    from ..prmtrain.pipeline import evaluate, features, labelled_rows, open_backbone
+
+    rows, steps, left_out = labelled_rows(rollouts, "eval")
+    if left_out:
+        note(f"{left_out} rows left out (no trajectory record or an error)")
+    backbone = open_backbone(preset, threads, head=head)
+    with click.progressbar(length=len(rows), label="features", file=sys.stderr) as bar:
+        rewards = backbone.rewards(features(backbone, rows, lambda cached: bar.update(1)))
+    result = evaluate(rewards, steps)
+    click.echo(f"{len(rows)} rows of {len({s.problem for s in steps})} problems; {result.steps} labelled steps "
+               f"({result.positives} right); step-level AUC {result.auc:.3f}")
+    click.echo(f"{'wrong step from':>14s}  {'pairs':>6s}  {'problems':>8s}  {'right above wrong':>17s}  95% interval")
+    for p in result.pairs:
+        click.echo(f"{p.origin:>14s}  {p.pairs:6d}  {p.problems:8d}  {100 * p.accuracy:16.1f}%  "
+                   f"{100 * p.low:.1f}-{100 * p.high:.1f}%")
+    if not result.pairs:
+        click.echo("no pairs: no problem has a right and a wrong trajectory (with different steps) at one round")

@@ -1,0 +1,129 @@
+"""`kvrescue-local prm train` and `prm eval` in stages, each resumable:
+
+1. rollouts: `bench run` on the training split (the sweep the lead runs for Table 2: full, bon and helper,
+   budgets 64 and 128, N = 1, 768 tokens), appended to a results file and resumed like any sweep;
+2. features: the PRM backbone's hidden states at each labelled step (features.py), cached per row;
+3. train: a value head in numpy (fit.py), written where the preset looks for it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..bench.datasets import SPLITS, load_dataset
+from ..bench.results_file import read_rows
+from ..bench.run import run_sweep, sweep_axes
+from ..compose import open_models, select_models
+from ..errors import KVRescueError
+from ..paths import CACHE
+from ..prm import PRM, PRMParams
+from ..rescue import Mode
+from ..rescue.limits import check_prompts_fit
+from .evaluate import pair_scores, step_auc
+from .examples import LabelledStep, check_split, labelled_steps, usable
+from .features import FEATURES_CACHE, FeatureCache, dataset_hidden
+from .fit import Fit, fit_head
+
+ROLLOUTS_CACHE = CACHE / "prm-train"
+PRM_CTX = 2048  # the PRM's starting context (it grows with a long trajectory)
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """Stage 1's sweep; the defaults are the coder Table 2 sweep's, so its results file can be reused."""
+
+    dataset: str = "gsm8k"
+    limit: int = 100
+    modes: tuple[str, ...] = ("full", "bon", "helper")
+    budgets: tuple[int, ...] = (64, 128)
+    ns: tuple[int, ...] = (1,)
+    max_tokens: int = 768
+    seed: int = 0
+    threads: int = 0
+    overrides: dict = field(default_factory=dict)  # further RescueConfig fields (tests: shorter caps)
+
+    def default_file(self, preset: str) -> Path:
+        return ROLLOUTS_CACHE / f"{preset}-{self.dataset}-train.jsonl"
+
+
+def run_rollouts(preset: str, plan: Rollouts, results: Path, on_result: Callable[[dict], None] = lambda row: None,
+                 on_skip: Callable[[int], None] = lambda n: None) -> int:
+    """Stage 1: what is not in `results` yet; returns the rows written."""
+    split = "train" if plan.dataset in SPLITS else None
+    data = load_dataset(plan.dataset, limit=plan.limit, split=split)
+    modes = [Mode.parse(m) for m in plan.modes]
+    options = {"preset": preset, "threads": plan.threads or None}
+    selection = select_models(options, any(m.uses_base for m in modes), any(m.uses_helper for m in modes),
+                              needs_prm=False)
+    template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(plan.budgets)},
+                                max_tokens=plan.max_tokens, seed=plan.seed, **plan.overrides)
+    axes = sweep_axes(modes, plan.budgets, plan.ns, [template.kv.policy])
+    if any(a.n * a.mode.sides > 1 for a in axes):
+        raise KVRescueError("rollouts for a PRM run with one candidate per round (no PRM chooses yet): use --ns 1")
+    problems = [p.problem for p in data.problems]
+    template, models = open_models(selection, template, any(m.uses_base for m in modes),
+                                   any(m.uses_helper for m in modes), 1, problems)
+    check_prompts_fit(template, [models.base, models.helper], {f"problem {p.id}": p.problem for p in data.problems})
+    return run_sweep(data, axes, template, models, results, resume=True, on_result=on_result, on_skip=on_skip)
+
+
+def labelled_rows(results: Path, split: str) -> tuple[list[dict], list[LabelledStep], int]:
+    """The usable rows of a results file (checked against the split), their labelled steps, and the number of
+    rows left out."""
+    if not results.exists():
+        raise KVRescueError(f"rollouts file not found: {results}")
+    rows, left_out = usable(read_rows(results))
+    check_split(rows, split, str(results))
+    return rows, [s for row in rows for s in labelled_steps(row)], left_out
+
+
+def open_backbone(preset: str, threads: int, head: Path | None = None, features_only: str | None = None) -> PRM:
+    selection = select_models({"preset": preset}, False, False, needs_prm=True)
+    if selection.paths["prm"] is None:
+        raise KVRescueError(f"the {preset} preset names no PRM backbone: a head is trained on the preset's PRM model")
+    params = PRMParams(n_ctx=PRM_CTX, max_candidates=16, n_threads=threads)
+    return PRM(selection.paths["prm"], params, head=head or selection.paths["prm_head"], features_only=features_only)
+
+
+def head_file(preset: str) -> Path:
+    """Where the preset reads its PRM's head."""
+    from ..prm import head_path
+
+    paths = select_models({"preset": preset}, False, False, needs_prm=True).paths
+    return paths["prm_head"] or head_path(paths["prm"])
+
+
+def features(prm: PRM, rows: list[dict], progress: Callable[[bool], None] = lambda cached: None,
+             cache_dir: Path | None = None) -> np.ndarray:
+    return dataset_hidden(FeatureCache(prm, cache_dir or FEATURES_CACHE), rows, progress)
+
+
+def train(hidden: np.ndarray, steps: list[LabelledStep], fmt: str) -> Fit:
+    return fit_head(hidden, np.array([s.label for s in steps]), [s.problem for s in steps], fmt)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    steps: int
+    positives: int
+    auc: float
+    pairs: list
+
+
+def evaluate(rewards: np.ndarray, steps: list[LabelledStep]) -> Evaluation:
+    return Evaluation(len(steps), sum(s.label for s in steps), step_auc(steps, rewards), pair_scores(steps, rewards))
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.started = now - self.started, now
+        return seconds

@@ -1,0 +1,211 @@
+"""Training a value-head PRM (`kvrescue-local prm train | eval`) on the toy world through llama.cpp: rollouts,
+hidden states read by the scorer's own code and cached, a numpy head that separates held-out steps and
+scores them in serving as it did in training; the split kept; KV-Rescue choosing at random."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.cli import main
+from kvrescue_local.compose import Selection, open_models
+from kvrescue_local.errors import KVRescueError
+from kvrescue_local.prm import PRM, PRMParams, RewardHead
+from kvrescue_local.prmtrain.evaluate import pair_scores
+from kvrescue_local.prmtrain.examples import LabelledStep, check_split, labelled_steps
+from kvrescue_local.prmtrain.features import FeatureCache, row_hidden
+from kvrescue_local.prmtrain.fit import auc, fit_head, to_head
+from kvrescue_local.prmtrain.pipeline import (Rollouts, evaluate, features, labelled_rows, open_backbone,
+                                              run_rollouts, train)
+from kvrescue_local.rescue import Candidate, Rescue, RescueConfig, Trajectory
+from kvrescue_local.rescue.loop import choose
+
+from test_rescue import NO_KILL, PROBLEM, config, without_timings
+
+HELD_OUT = 30  # toy problems toy-30 and above are kept out of training
+
+
+@pytest.fixture(scope="module")
+def toy_rollouts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prm") / "toy-rollouts.jsonl"
+    plan = Rollouts(dataset="toy", limit=40, budgets=(48,))
+    assert run_rollouts("toy", plan, path) == 120  # 40 problems x full, bon@48, helper
+    assert run_rollouts("toy", plan, path) == 0, "a second run resumes: nothing left to do"
+    return path
+
+
+@pytest.fixture(scope="module")
+def toy_backbone():
+    return open_backbone("toy", threads=1, features_only="toy-prm")
+
+
+def held_out(steps):
+    return np.array([int(s.problem.rsplit("-", 1)[1]) >= HELD_OUT for s in steps])
+
+
+def test_a_head_trained_on_toy_rollouts_separates_held_out_steps(toy_rollouts, toy_backbone, tmp_path):
+    rows, steps, left_out = labelled_rows(toy_rollouts, "train")
+    assert len(rows) == 120 and left_out == 0 and len(steps) == sum(r["n_steps"] for r in rows)
+    hidden = features(toy_backbone, rows, cache_dir=tmp_path)
+    assert hidden.shape == (len(steps), toy_backbone.model.n_embd)
+    held = held_out(steps)
+    fit = train(hidden[~held], [s for s, h in zip(steps, held) if not h], "toy-prm")
+    assert fit.validation, "hyper-parameters were chosen on the validation problems"
+    result = evaluate(fit.head.rewards(hidden[held]), [s for s, h in zip(steps, held) if h])
+    assert result.auc > 0.6
+    pairs = {p.origin: p for p in result.pairs}
+    assert pairs["evicted base"].pairs > 20 and pairs["evicted base"].accuracy > 0.6
+    assert pairs["all"].accuracy > 0.6
+
+    # serving reads the same numbers: the saved head on the backbone scores a row as training saw it
+    head_file = fit.head.save(tmp_path / "value.head.npz")
+    served = PRM(toy_backbone.model.path, PRMParams(n_ctx=1024), head=head_file)
+    row = next(r for r in rows if int(r["id"].rsplit("-", 1)[1]) >= HELD_OUT)
+    trajectory = Trajectory.from_json(row["trajectory"])
+    cached, was_cached = FeatureCache(toy_backbone, tmp_path).hidden(trajectory)
+    assert was_cached
+    np.testing.assert_allclose(served.score_trajectory(trajectory.problem, [s.text for s in trajectory.steps]),
+                               fit.head.rewards(cached), atol=1e-4)
+
+
+def test_features_are_cached_per_row_and_a_killed_run_continues(toy_rollouts, toy_backbone, tmp_path):
+    rows = read_rows(toy_rollouts)[:6]
+    seen = []
+    first = features(toy_backbone, rows, seen.append, cache_dir=tmp_path)
+    assert seen == [False] * 6
+    files = sorted(tmp_path.rglob("*.npy"))
+    assert len(files) == 6 and files[0].parent.name.endswith("-toy-prm")
+    files[2].unlink()  # as if the run had been killed before this row
+    seen.clear()
+    again = features(toy_backbone, rows, seen.append, cache_dir=tmp_path)
+    assert seen.count(False) == 1 and seen.count(True) == 5
+    np.testing.assert_array_equal(first, again)
+
+
+def test_killed_candidates_are_read_where_the_loop_scored_them(toy_rollouts, toy_backbone):
+    """A killed candidate's hidden state, read as the loop's PRM reads a candidate (a fork of the committed
+    prefix), equals the last step of the prefix and that candidate encoded from scratch; it is labelled wrong."""
+    row = next(r for r in read_rows(toy_rollouts) if r["n_steps"] >= 3 and r["correct"])
+    trajectory = Trajectory.from_json(row["trajectory"])
+    trajectory.steps[1].candidates.append(Candidate("base", 1, "1:a=1000", 4, "killed"))
+    row = {**row, "trajectory": trajectory.to_json()}
+    steps = labelled_steps(row)
+    hidden = row_hidden(toy_backbone, trajectory)
+    assert len(steps) == len(hidden) == trajectory.n_steps + 1
+    killed = steps[2]
+    assert (killed.label, killed.origin, killed.committed, killed.round) == (0, "degenerate", False, 1)
+    assert steps[1].label == 1 and steps[1].committed
+    scratch = toy_backbone.trajectory_hidden(trajectory.problem, [trajectory.steps[0].text, "1:a=1000"])
+    np.testing.assert_allclose(hidden[2], scratch[-1], atol=1e-3)
+
+
+def test_pairs_are_right_vs_wrong_steps_of_one_problem_and_round():
+    steps = [LabelledStep("p", 0, "right", "helper", 1, True), LabelledStep("p", 0, "wrong", "helper", 0, True),
+             LabelledStep("p", 0, "right", "evicted base", 0, True),  # same text as the right step: no pair
+             LabelledStep("p", 0, "loop", "degenerate", 0, False), LabelledStep("p", 1, "later", "helper", 0, True),
+             LabelledStep("q", 0, "other problem", "evicted base", 0, True)]
+    rewards = np.array([0.9, 0.1, 0.9, 0.95, 0.0, 0.0])
+    scores = {p.origin: p for p in pair_scores(steps, rewards)}
+    assert set(scores) == {"helper", "degenerate", "all"}
+    assert (scores["helper"].pairs, scores["helper"].accuracy) == (1, 1.0)
+    assert (scores["degenerate"].pairs, scores["degenerate"].accuracy) == (1, 0.0)
+    assert (scores["all"].pairs, scores["all"].accuracy, scores["all"].problems) == (2, 0.5, 1)
+
+
+def test_auc_and_the_folded_head():
+    rng = np.random.default_rng(0)
+    scores, labels = rng.standard_normal(200).round(1), rng.random(200) < 0.4
+    brute = np.mean([(p > n) + 0.5 * (p == n) for p in scores[labels] for n in scores[~labels]])
+    assert auc(scores, labels) == pytest.approx(brute)
+    x = rng.standard_normal((300, 12)) * rng.uniform(0.1, 5, 12) + rng.standard_normal(12)
+    y = (x @ rng.standard_normal(12) > 0).astype(float)
+    problems = [f"p{i // 3}" for i in range(300)]
+    fit = fit_head(x, y, problems, "value-head")
+    assert fit.train_auc > 0.95 and len(fit.head.weights[0]) in (1, 32)
+    two_way = to_head([(np.ones((1, 3)), np.zeros(1))], np.zeros(12), np.ones(12), np.eye(12)[:, :3], "qwen-prm")
+    one_way = to_head([(np.ones((1, 3)), np.zeros(1))], np.zeros(12), np.ones(12), np.eye(12)[:, :3], "value-head")
+    np.testing.assert_allclose(two_way.rewards(x), one_way.rewards(x), atol=1e-6)
+    with pytest.raises(KVRescueError, match="right and wrong steps"):
+        fit_head(x, np.ones(300), problems, "value-head")
+
+
+def gsm8k_row(problem_id):
+    return {"dataset": "gsm8k", "id": str(problem_id), "config_key": "helper-b0-n1-none", "config": {"mode": "helper", "n": 1},
+            "correct": True, "trajectory": Trajectory("q", {"mode": "helper"}).to_json()}
+
+
+def test_training_refuses_evaluation_problems_and_evaluation_everything_else(tmp_path):
+    check_split([gsm8k_row(5), {**gsm8k_row(0), "dataset": "toy", "id": "toy-1"}], "train", "f")
+    check_split([gsm8k_row(900)], "eval", "f")
+    with pytest.raises(KVRescueError, match="problem 950 is an evaluation problem.*--split train"):
+        check_split([gsm8k_row(5), gsm8k_row(950)], "train", "f")
+    with pytest.raises(KVRescueError, match="problem 899 is not an evaluation problem.*--split eval"):
+        check_split([gsm8k_row(899)], "eval", "f")
+    eval_rows, train_rows = tmp_path / "eval.jsonl", tmp_path / "train.jsonl"
+    eval_rows.write_text(json.dumps(gsm8k_row(1000)) + "\n")
+    train_rows.write_text(json.dumps(gsm8k_row(3)) + "\n")
+    for args in (["prm", "train", "--preset", "toy", "--no-rollouts", "--rollouts", str(eval_rows)],
+                 ["prm", "eval", "--preset", "toy", "--rollouts", str(train_rows)]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code != 0 and result.output.startswith("Error: ") and result.output.count("\n") == 1
+
+
+def test_head_errors_are_one_line(toy_backbone, tiny_prm_path, base_path, helper_path, tmp_path):
+    with pytest.raises(KVRescueError, match="reads hidden states only"):
+        toy_backbone.score(["1:a=7"])
+    with pytest.raises(KVRescueError, match="reward head not found.*prm train"):
+        PRM(toy_backbone.model.path, head=tmp_path / "nowhere.head.npz")
+    missing = Selection({"base": base_path, "helper": helper_path, "prm": tiny_prm_path,
+                         "prm_head": tmp_path / "prm.head.npz"}, None)
+    with pytest.raises(KVRescueError, match="reward head .*prm.head.npz is missing.*prm train"):
+        open_models(missing, RescueConfig(), True, True, 4, ["1+1?"])
+    wrong_width = RewardHead([np.zeros((1, 7), np.float32)], [np.zeros(1, np.float32)], "chat-value")
+    with pytest.raises(KVRescueError, match="expects hidden size 7"):
+        PRM(toy_backbone.model.path, head=wrong_width.save(tmp_path / "narrow.head.npz"))
+
+
+def test_random_choice_needs_no_prm_is_reproducible_and_recorded(base_model, helper_model, base_path, helper_path,
+                                                                 tiny_prm_path, tmp_path):
+    cfg = config(mode="kvrescue", n=2, choice="random")
+    engine = Rescue(cfg, base_model, helper_model, None)
+    first = engine.solve(PROBLEM)
+    assert without_timings(first) == without_timings(Rescue(cfg, base_model, helper_model, None).solve(PROBLEM))
+    assert all(s.score is None for s in first.steps)
+    assert first.config["choice"] == "random"
+    drafts = list(range(4))
+    picks = {choose(drafts, cfg, f"problem {p}", r) for p in range(5) for r in range(5)}
+    assert picks == set(drafts), "every survivor gets drawn"
+    assert choose(drafts, cfg, "x", 3) == choose(drafts, cfg, "x", 3)
+    with pytest.raises(KVRescueError, match="unknown choice 'best'"):
+        RescueConfig(choice="best")
+
+    results = tmp_path / "both.jsonl"
+    args = ["bench", "run", "--dataset", "gsm8k", "--limit", "2", "--modes", "kvrescue", "--ns", "1", "--budgets", "32",
+            "--buffer", "16", "--max-tokens", "40", "--max-step-tokens", "16", "--tau-entropy", "50",
+            "--choice", "prm,random", "--base", str(base_path), "--helper", str(helper_path), "--prm", str(tiny_prm_path),
+            "--results", str(results)]
+    ran = CliRunner().invoke(main, args)
+    assert ran.exit_code == 0, ran.output
+    rows = read_rows(results)
+    assert {r["config_key"] for r in rows} == {"kvrescue-b32-n1-rkv", "kvrescue-b32-n1-rkv-random"}
+    assert {r["config"]["choice"] for r in rows} == {"prm", "random"}
+    report = CliRunner().invoke(main, ["report", str(results)])
+    assert report.exit_code == 0 and "kvrescue/random" in report.output
+
+
+def test_prm_train_command_end_to_end_on_the_toy_preset(toy_rollouts, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvrescue_local.prmtrain.pipeline.FEATURES_CACHE", tmp_path / "features")
+    rollouts = tmp_path / "rollouts.jsonl"
+    shutil.copy(toy_rollouts, rollouts)
+    out = tmp_path / "toy-value.head.npz"
+    args = ["prm", "train", "--preset", "toy", "--dataset", "toy", "--limit", "40", "--budgets", "48",
+            "--format", "toy-prm", "--rollouts", str(rollouts), "--out", str(out), "-t", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "stage 1, rollouts: 0 new rows" in result.output and "stage 3, train" in result.output
+    assert RewardHead.load(out).format == "toy-prm"
+    again = CliRunner().invoke(main, args + ["--no-rollouts"])
+    assert "0 rows read, 120 cached" in again.output
