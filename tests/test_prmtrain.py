@@ -23,7 +23,7 @@ from kvrescue_local.prmtrain.pipeline import (Rollouts, evaluate, features, labe
 from kvrescue_local.rescue import Candidate, Rescue, RescueConfig, Trajectory
 from kvrescue_local.rescue.loop import choose
 
-from test_rescue import NO_KILL, PROBLEM, config, without_timings
+from test_rescue import PROBLEM, config, without_timings
 
 HELD_OUT = 30  # toy problems toy-30 and above are kept out of training
 

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,7 +21,7 @@ from ..bench.run import run_sweep, sweep_axes
 from ..compose import open_models, select_models
 from ..errors import KVRescueError
 from ..paths import CACHE
-from ..prm import PRM, PRMParams
+from ..prm import PRM, PRMParams, head_path
 from ..rescue import Mode
 from ..rescue.limits import check_prompts_fit
 from .evaluate import pair_scores, step_auc
@@ -45,7 +45,6 @@ class Rollouts:
     max_tokens: int = 768
     seed: int = 0
     threads: int = 0
-    overrides: dict = field(default_factory=dict)  # further RescueConfig fields (tests: shorter caps)
 
     def default_file(self, preset: str) -> Path:
         return ROLLOUTS_CACHE / f"{preset}-{self.dataset}-train.jsonl"
@@ -61,7 +60,7 @@ def run_rollouts(preset: str, plan: Rollouts, results: Path, on_result: Callable
     selection = select_models(options, any(m.uses_base for m in modes), any(m.uses_helper for m in modes),
                               needs_prm=False)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(plan.budgets)},
-                                max_tokens=plan.max_tokens, seed=plan.seed, **plan.overrides)
+                                max_tokens=plan.max_tokens, seed=plan.seed)
     axes = sweep_axes(modes, plan.budgets, plan.ns, [template.kv.policy])
     if any(a.n * a.mode.sides > 1 for a in axes):
         raise KVRescueError("rollouts for a PRM run with one candidate per round (no PRM chooses yet): use --ns 1")
@@ -92,8 +91,6 @@ def open_backbone(preset: str, threads: int, head: Path | None = None, features_
 
 def head_file(preset: str) -> Path:
     """Where the preset reads its PRM's head."""
-    from ..prm import head_path
-
     paths = select_models({"preset": preset}, False, False, needs_prm=True).paths
     return paths["prm_head"] or head_path(paths["prm"])
 
