@@ -81,3 +81,21 @@ def test_full_kv_greedy_gsm8k_answer_is_correct(coder):
     config = RescueConfig(mode="full", n=1, temperature=0.0, max_tokens=256, max_step_tokens=128)
     record = Rescue(config, coder).solve(PROBLEM).to_json()
     assert record["stop"] == "eos" and is_correct(GOLD, record["answer"]), record["text"]
+
+
+def test_the_coder_prm_is_the_helper_read_in_its_own_prompt_with_the_shipped_head(coder):
+    from kvrescue_local.paths import SHIPPED_MODELS
+    from kvrescue_local.prm import PRM, PRMParams
+
+    prm = PRM(coder.path, PRMParams(n_ctx=1024, max_candidates=4), head=SHIPPED_MODELS / "coder" / "prm.head.npz")
+    assert prm.format.name == "chat-value" and prm.head.hidden_size == coder.n_embd
+    header = prm.model.tokenize(prm.format.header(PROBLEM, prm.bos))
+    np.testing.assert_array_equal(header, coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM)))
+    steps = ["It takes 2 / 2 = 1 bolt of white fiber.\n\n", "So the total is 2 + 1 = \\boxed{3} bolts.",
+             "So the total is 2 + 4 = \\boxed{6} bolts."]
+    prm.start(PROBLEM)
+    prm.commit(steps[0])
+    together = prm.score(steps[1:])
+    assert ((together > 0) & (together < 1)).all()
+    np.testing.assert_allclose(together, prm.score_trajectory(PROBLEM, steps)[1:2].tolist() +
+                               prm.score_trajectory(PROBLEM, [steps[0], steps[2]])[1:].tolist(), atol=0.02)

@@ -216,7 +216,8 @@ def setup(config: RescueConfig, model_files: dict[str, Path | None], prm_head: P
 
 
 def describe_model(fingerprint: dict) -> str:
-    return f"{fingerprint['file']} ({fingerprint['size']:,} bytes, {fingerprint['sha256'][:8]})"
+    head = f", head {fingerprint['head_sha256'][:8]}" if "head_sha256" in fingerprint else ""
+    return f"{fingerprint['file']} ({fingerprint['size']:,} bytes, {fingerprint['sha256'][:8]}{head})"
 
 
 def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[str]:

@@ -50,7 +50,7 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     out = out or head_file(preset)
     clock = Stopwatch()
     if not no_rollouts:
-        with click.progressbar(length=plan.limit * len(plan.modes) * len(plan.budgets), label="1/3 rollouts",
+        with click.progressbar(length=plan.rows, label="1/3 rollouts",
                                file=sys.stderr) as bar:
             written = run_rollouts(preset, plan, rollouts, on_result=lambda row: bar.update(1), on_skip=bar.update)
         click.echo(f"stage 1, rollouts: {written} new rows in {rollouts}, {clock.lap():.0f} s")

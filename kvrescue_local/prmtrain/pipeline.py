@@ -46,6 +46,11 @@ class Rollouts:
     seed: int = 0
     threads: int = 0
 
+    @property
+    def rows(self) -> int:
+        """Rows of the whole sweep (modes without eviction run once, whatever the budgets)."""
+        return self.limit * len(sweep_axes(self.modes, self.budgets, self.ns, ["one policy"]))
+
     def default_file(self, preset: str) -> Path:
         return ROLLOUTS_CACHE / f"{preset}-{self.dataset}-train.jsonl"
 
