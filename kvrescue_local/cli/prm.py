@@ -74,7 +74,7 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     for label, value in fit.validation.items():
         click.echo(f"  validation AUC {label:>16s}: {value:.3f}")
     fit.head.save(out)
-    click.echo(f"stage 3, train: {fit.kind} l2={fit.l2:g} on {fit.steps} steps ({fit.positives} right), training AUC "
+    click.echo(f"stage 3, train: {fit.choice.label} on {fit.steps} steps ({fit.positives} right), training AUC "
                f"{fit.train_auc:.3f}, {seconds:.1f} s; wrote {out}")
 
 

@@ -1,8 +1,8 @@
 """A value head fitted in numpy (the runtime never needs torch): logistic regression or a one-hidden-layer
-MLP on the leading principal components of the standardised hidden states, classes balanced, L2; the
-standardisation and the projection folded into the first layer so the result is a plain `RewardHead`.
-Hyper-parameters are chosen on a by-problem validation part of the training rows (a problem's steps are
-all in one part), then the chosen model is refitted on all of them.
+MLP on the leading principal components (16 to 128 of them) of the standardised hidden states, classes
+balanced, L2; the standardisation and the projection folded into the first layer so the result is a plain
+`RewardHead`. Kind, components and L2 are chosen on a by-problem validation part of the training rows (a
+problem's steps are all in one part), then the chosen model is refitted on all of them.
 
 The projection keeps the fits small: a few thousand steps cannot pin down 896 weights, and numpy's
 threaded BLAS crawls on cores shared with llama.cpp (a 96-wide fit took 30x longer beside a busy core).
@@ -22,10 +22,25 @@ import numpy as np
 from ..errors import KVRescueError
 from ..prm import RewardHead, prm_format
 
-# (kind, L2 strength) tried on the validation part; "mlp" has HIDDEN units
-GRID = [("logistic", l2) for l2 in (0.1, 1.0, 10.0, 100.0, 1000.0)] + [("mlp", l2) for l2 in (1.0, 10.0, 100.0)]
-HIDDEN = 32
-COMPONENTS = 128  # principal components the fits see
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One point of the hyper-parameter grid."""
+
+    kind: str  # "logistic" or "mlp"
+    components: int  # leading principal components the fit sees
+    l2: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} k={self.components} l2={self.l2:g}"
+
+
+GRID = [Choice("logistic", k, l2) for k in (16, 64, 128) for l2 in (1.0, 10.0, 100.0, 1000.0)] + \
+       [Choice("mlp", 64, l2) for l2 in (10.0, 100.0)]
+FALLBACK = Choice("logistic", 64, 100.0)  # too few problems to validate: the middle of the grid
+HIDDEN = 32  # the MLP's units
 VALIDATION_SHARE = 5  # one problem in 5 (by a hash of its name) validates
 
 
@@ -147,9 +162,8 @@ def forward(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.nd
 @dataclass(frozen=True)
 class Fit:
     head: RewardHead
-    kind: str
-    l2: float
-    validation: dict  # (kind, l2) label -> validation AUC
+    choice: Choice
+    validation: dict  # Choice.label -> validation AUC
     train_auc: float  # of the final head on all training steps
     steps: int
     positives: int
@@ -182,16 +196,16 @@ def _fit_head(hidden: np.ndarray, labels: np.ndarray, problems: list[str], fmt: 
     x = np.asarray(hidden, np.float64)
     mean, scale = x.mean(0), x.std(0) + 1e-6
     z = (x - mean) / scale
-    basis = np.linalg.svd(z, full_matrices=False)[2][:COMPONENTS].T  # [n_embd, k], label-free
-    z = z @ basis
+    basis = np.linalg.svd(z, full_matrices=False)[2].T  # [n_embd, components], label-free
+    projected = z @ basis[:, :max(c.components for c in GRID)]
     held = validation_mask(problems)
     validation = {}
     both = held.any() and (~held).any() and len(set(labels[held])) == 2 and len(set(labels[~held])) == 2
-    for kind, l2 in GRID if both else []:
-        layers = FITTERS[kind](z[~held], labels[~held], l2)
-        validation[f"{kind} l2={l2:g}"] = auc(forward(layers, z[held]), labels[held])
-    kind, l2 = GRID[max(range(len(GRID)), key=lambda i: validation[f"{GRID[i][0]} l2={GRID[i][1]:g}"])] \
-        if validation else ("logistic", 1.0)  # too few problems to validate: the middle of the grid
-    layers = FITTERS[kind](z, labels, l2)
-    head = to_head(layers, mean, scale, basis, fmt)
-    return Fit(head, kind, l2, validation, auc(head.rewards(hidden), labels), len(labels), int(labels.sum()))
+    for choice in GRID if both else []:
+        part = projected[:, :choice.components]
+        layers = FITTERS[choice.kind](part[~held], labels[~held], choice.l2)
+        validation[choice.label] = auc(forward(layers, part[held]), labels[held])
+    best = max(GRID, key=lambda c: validation[c.label]) if validation else FALLBACK
+    layers = FITTERS[best.kind](projected[:, :best.components], labels, best.l2)
+    head = to_head(layers, mean, scale, basis[:, :best.components], fmt)
+    return Fit(head, best, validation, auc(head.rewards(hidden), labels), len(labels), int(labels.sum()))
