@@ -47,8 +47,8 @@ def held_out(steps):
 
 
 def test_a_head_trained_on_toy_rollouts_separates_held_out_steps(toy_rollouts, toy_backbone, tmp_path):
-    rows, steps, left_out = labelled_rows(toy_rollouts, "train")
-    assert len(rows) == 120 and left_out == 0 and len(steps) == sum(r["n_steps"] for r in rows)
+    rows, steps, left_out = labelled_rows([toy_rollouts, toy_rollouts], "train")
+    assert len(rows) == 120 and left_out == 0 and len(steps) == sum(r["n_steps"] for r in rows), "each row once"
     hidden = features(toy_backbone, rows, cache_dir=tmp_path)
     assert hidden.shape == (len(steps), toy_backbone.model.n_embd)
     held = held_out(steps)
@@ -209,3 +209,5 @@ def test_prm_train_command_end_to_end_on_the_toy_preset(toy_rollouts, tmp_path, 
     assert RewardHead.load(out).format == "toy-prm"
     again = CliRunner().invoke(main, args + ["--no-rollouts"])
     assert "0 rows read, 120 cached" in again.output
+    two = CliRunner().invoke(main, args + ["--rollouts", str(toy_rollouts)])
+    assert two.exit_code != 0 and "stage 1 extends one rollouts file" in two.output

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from ..bench.datasets import DATASET_NAMES
+from ..errors import KVRescueError
 from ..prm import FORMATS
 from ..rescue import MODES
 from .common import int_list, name_list, note
@@ -21,10 +22,11 @@ def prm() -> None:
 
 @prm.command("train")
 @click.option("--preset", default="coder", show_default=True, help="whose models roll out and whose PRM backbone reads")
-@click.option("--rollouts", type=click.Path(dir_okay=False, path_type=Path),
-              help="results file of the rollouts, extended by stage 1 [default: the cache's <preset>-<dataset>-train.jsonl]")
-@click.option("--no-rollouts", is_flag=True, help="skip stage 1: train on the file's rows as they are (another "
-                                                  "process may be writing it)")
+@click.option("--rollouts", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+              help="results file of the rollouts, extended by stage 1 [default: the cache's "
+                   "<preset>-<dataset>-train.jsonl]; repeat it to train on several (with --no-rollouts)")
+@click.option("--no-rollouts", is_flag=True, help="skip stage 1: train on the files' rows as they are (another "
+                                                  "process may be writing them)")
 @click.option("--dataset", default="gsm8k", show_default=True, help=f"one of {', '.join(DATASET_NAMES)} (its training "
                                                                     "split where it has one)")
 @click.option("--limit", type=int, default=100, show_default=True, help="first LIMIT problems of the training split")
@@ -46,14 +48,17 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
 
     plan = Rollouts(dataset=dataset, limit=limit, modes=tuple(name_list(modes, MODES, "mode")),
                     budgets=tuple(int_list(budgets)), max_tokens=max_tokens, seed=seed, threads=threads)
-    rollouts = rollouts or plan.default_file(preset)
+    rollouts = list(rollouts) or [plan.default_file(preset)]
+    if len(rollouts) > 1 and not no_rollouts:
+        raise KVRescueError("stage 1 extends one rollouts file: pass one, merge them with `kvrescue-local bench merge`, "
+                            "or add --no-rollouts to train on them as they are")
     out = out or head_file(preset)
     clock = Stopwatch()
     if not no_rollouts:
         with click.progressbar(length=plan.rows, label="1/3 rollouts",
                                file=sys.stderr) as bar:
-            written = run_rollouts(preset, plan, rollouts, on_result=lambda row: bar.update(1), on_skip=bar.update)
-        click.echo(f"stage 1, rollouts: {written} new rows in {rollouts}, {clock.lap():.0f} s")
+            written = run_rollouts(preset, plan, rollouts[0], on_result=lambda row: bar.update(1), on_skip=bar.update)
+        click.echo(f"stage 1, rollouts: {written} new rows in {rollouts[0]}, {clock.lap():.0f} s")
     rows, steps, left_out = labelled_rows(rollouts, "train")
     click.echo(f"{len(rows)} rows ({left_out} left out: no trajectory record or an error), {len(steps)} labelled "
                f"steps ({sum(s.label for s in steps)} right) of {len({s.problem for s in steps})} problems")
@@ -79,8 +84,8 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
 
 
 @prm.command("eval")
-@click.option("--rollouts", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True,
-              help="results file of `bench run --split eval` (evaluation problems only)")
+@click.option("--rollouts", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, multiple=True,
+              help="results file of `bench run --split eval` (evaluation problems only); repeat it for several")
 @click.option("--preset", default="coder", show_default=True, help="whose PRM (backbone and head) to evaluate")
 @click.option("--head", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a head file [default: the preset's]")
@@ -90,7 +95,7 @@ def eval_command(rollouts, preset, head, threads) -> None:
     origin) on evaluation problems."""
     from ..prmtrain.pipeline import evaluate, features, labelled_rows, open_backbone
 
-    rows, steps, left_out = labelled_rows(rollouts, "eval")
+    rows, steps, left_out = labelled_rows(list(rollouts), "eval")
     if left_out:
         note(f"{left_out} rows left out (no trajectory record or an error)")
     backbone = open_backbone(preset, threads, head=head)

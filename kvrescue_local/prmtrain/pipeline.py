@@ -76,14 +76,18 @@ def run_rollouts(preset: str, plan: Rollouts, results: Path, on_result: Callable
     return run_sweep(data, axes, template, models, results, resume=True, on_result=on_result, on_skip=on_skip)
 
 
-def labelled_rows(results: Path, split: str) -> tuple[list[dict], list[LabelledStep], int]:
-    """The usable rows of a results file (checked against the split), their labelled steps, and the number of
-    rows left out."""
-    if not results.exists():
-        raise KVRescueError(f"rollouts file not found: {results}")
-    rows, left_out = usable(read_rows(results))
-    check_split(rows, split, str(results))
-    return rows, [s for row in rows for s in labelled_steps(row)], left_out
+def labelled_rows(files: list[Path], split: str) -> tuple[list[dict], list[LabelledStep], int]:
+    """The usable rows of results files (checked against the split; a problem and configuration found in two
+    files counts once), their labelled steps, and the number of rows left out."""
+    rows: dict[tuple, dict] = {}
+    for path in files:
+        if not path.exists():
+            raise KVRescueError(f"rollouts file not found: {path}")
+        for row in read_rows(path):
+            rows.setdefault((row["dataset"], row["id"], row["config_key"]), row)
+    kept, left_out = usable(list(rows.values()))
+    check_split(kept, split, ", ".join(map(str, files)))
+    return kept, [s for row in kept for s in labelled_steps(row)], left_out
 
 
 def open_backbone(preset: str, threads: int, head: Path | None = None, features_only: str | None = None) -> PRM:
