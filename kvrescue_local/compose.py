@@ -101,18 +101,14 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     return Selection(paths, source)
 
 
-def prm_params(config: RescueConfig, n_ctx: int, max_candidates: int) -> PRMParams:
-    return PRMParams(n_ctx=n_ctx, max_candidates=max_candidates, n_gpu_layers=config.n_gpu_layers,
-                     flash_attn=config.flash_attn, n_threads=config.n_threads, n_batch=config.n_batch)
-
-
 def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,
                 max_candidates: int, problems: list[str], prompt_given: bool = False,
                 prm_ctx: int = 0) -> tuple[RescueConfig, Models]:
     """The models, opened; the config with the prompt template of the primary model's GGUF when it names
-    one (and no --prompt-template was given). The PRM is opened only when a round has a choice
-    (max_candidates > 1: the most candidates of a round the PRM chooses among); its context starts at prm_ctx, else at what the longest problem needs, and grows
-    in the PRM's own tokens as the trajectory does."""
+    one (and no --prompt-template was given). The PRM is opened only when it chooses in a round (max_candidates
+    > 1: the most candidates it chooses among); its context starts at prm_ctx, else at what the longest problem
+    needs, and grows in the PRM's own tokens as the trajectory does. Its head is the preset's, else the one beside
+    the backbone."""
     paths = selection.paths
     if max_candidates > 1 and paths["prm"] is None:  # checked before any model loads
         raise KVRescueError(f"the {selection.preset.name if selection.preset else 'chosen'} preset has no PRM yet, and "
@@ -131,5 +127,7 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
     if max_candidates <= 1:
         return config, Models(base, helper, None)
     longest = max(len(p.encode()) for p in problems)
-    prm = PRM(paths["prm"], prm_params(config, prm_ctx or config.prm_context(longest), max_candidates), head=head)
+    prm = PRM(paths["prm"], PRMParams(n_ctx=prm_ctx or config.prm_context(longest), max_candidates=max_candidates,
+                                      n_gpu_layers=config.n_gpu_layers, flash_attn=config.flash_attn,
+                                      n_threads=config.n_threads, n_batch=config.n_batch), head=head)
     return config, Models(base, helper, prm)

@@ -53,9 +53,12 @@ def pair_scores(steps: list[LabelledStep], rewards: np.ndarray, seed: int = 0) -
     rng = np.random.default_rng(seed)
     scores = []
     outcomes = pair_outcomes(steps, rewards)
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for per_problem in outcomes.values():
+        for problem, results in per_problem.items():
+            pooled[problem] += results
     for origin in (*ORIGINS, "all"):
-        problems = (outcomes[origin] if origin != "all" else
-                    {p: [o for per in outcomes.values() for o in per.get(p, [])] for per in outcomes.values() for p in per})
+        problems = pooled if origin == "all" else outcomes.get(origin, {})
         if not problems:
             continue
         per_problem = [np.asarray(v) for v in problems.values()]
