@@ -54,6 +54,8 @@ def test_a_head_trained_on_toy_rollouts_separates_held_out_steps(toy_rollouts, t
     held = held_out(steps)
     fit = train(hidden[~held], [s for s, h in zip(steps, held) if not h], "toy-prm")
     assert fit.validation, "hyper-parameters were chosen on the validation problems"
+    trained_on = [s for s, h in zip(steps, held) if not h]
+    assert evaluate(fit.out_of_fold, trained_on).auc > 0.6, "each fold scored by a fit without its problems"
     result = evaluate(fit.head.rewards(hidden[held]), [s for s, h in zip(steps, held) if h])
     assert result.auc > 0.6
     pairs = {p.origin: p for p in result.pairs}
@@ -206,6 +208,7 @@ def test_prm_train_command_end_to_end_on_the_toy_preset(toy_rollouts, tmp_path, 
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "stage 1, rollouts: 0 new rows" in result.output and "stage 3, train" in result.output
+    assert "cross-validated on the training problems" in result.output and "evicted base" in result.output
     assert RewardHead.load(out).format == "toy-prm"
     again = CliRunner().invoke(main, args + ["--no-rollouts"])
     assert "0 rows read, 120 cached" in again.output

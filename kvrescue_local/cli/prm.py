@@ -43,7 +43,8 @@ def prm() -> None:
 def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets, max_tokens, seed, fmt, out,
                   threads) -> None:
     """Roll out (resumable), read hidden states (cached), fit a value head in numpy, write it."""
-    from ..prmtrain.pipeline import (Rollouts, Stopwatch, features, head_file, labelled_rows, open_backbone,
+    from ..prmtrain.fit import VALIDATION_SHARE
+    from ..prmtrain.pipeline import (Rollouts, Stopwatch, evaluate, features, head_file, labelled_rows, open_backbone,
                                      run_rollouts, train)
 
     plan = Rollouts(dataset=dataset, limit=limit, modes=tuple(name_list(modes, MODES, "mode")),
@@ -81,6 +82,9 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     fit.head.save(out)
     click.echo(f"stage 3, train: {fit.choice.label} on {fit.steps} steps ({fit.positives} right), training AUC "
                f"{fit.train_auc:.3f}, {seconds:.1f} s; wrote {out}")
+    click.echo(f"cross-validated on the training problems ({VALIDATION_SHARE} folds by problem, {fit.choice.label}; "
+               "training problems, not the evaluation split):")
+    show(evaluate(fit.out_of_fold, steps))
 
 
 @prm.command("eval")
@@ -101,9 +105,12 @@ def eval_command(rollouts, preset, head, threads) -> None:
     backbone = open_backbone(preset, threads, head=head)
     with click.progressbar(length=len(rows), label="features", file=sys.stderr) as bar:
         rewards = backbone.rewards(features(backbone, rows, lambda cached: bar.update(1)))
-    result = evaluate(rewards, steps)
-    click.echo(f"{len(rows)} rows of {len({s.problem for s in steps})} problems; {result.steps} labelled steps "
-               f"({result.positives} right); step-level AUC {result.auc:.3f}")
+    click.echo(f"{len(rows)} rows of {len({s.problem for s in steps})} problems:")
+    show(evaluate(rewards, steps))
+
+
+def show(result) -> None:
+    click.echo(f"{result.steps} labelled steps ({result.positives} right); step-level AUC {result.auc:.3f}")
     click.echo(f"{'wrong step from':>14s}  {'pairs':>6s}  {'problems':>8s}  {'right above wrong':>17s}  95% interval")
     for p in result.pairs:
         click.echo(f"{p.origin:>14s}  {p.pairs:6d}  {p.problems:8d}  {100 * p.accuracy:16.1f}%  "

@@ -88,8 +88,9 @@ def auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def validation_mask(problems: list[str]) -> np.ndarray:
-    return np.array([zlib.crc32(p.encode()) % VALIDATION_SHARE == 0 for p in problems])
+def folds(problems: list[str]) -> np.ndarray:
+    """Each step's fold (0 to VALIDATION_SHARE - 1) by a hash of its problem: fold 0 validates."""
+    return np.array([zlib.crc32(p.encode()) % VALIDATION_SHARE for p in problems])
 
 
 def balanced_weights(labels: np.ndarray) -> np.ndarray:
@@ -165,6 +166,7 @@ class Fit:
     choice: Choice
     validation: dict  # Choice.label -> validation AUC
     train_auc: float  # of the final head on all training steps
+    out_of_fold: np.ndarray  # each step's score by the chosen kind fitted without its problem's fold
     steps: int
     positives: int
 
@@ -198,7 +200,8 @@ def _fit_head(hidden: np.ndarray, labels: np.ndarray, problems: list[str], fmt: 
     z = (x - mean) / scale
     basis = np.linalg.svd(z, full_matrices=False)[2].T  # [n_embd, components], label-free
     projected = z @ basis[:, :max(c.components for c in GRID)]
-    held = validation_mask(problems)
+    fold = folds(problems)
+    held = fold == 0
     validation = {}
     both = held.any() and (~held).any() and len(set(labels[held])) == 2 and len(set(labels[~held])) == 2
     for choice in GRID if both else []:
@@ -208,4 +211,11 @@ def _fit_head(hidden: np.ndarray, labels: np.ndarray, problems: list[str], fmt: 
     best = max(GRID, key=lambda c: validation[c.label]) if validation else FALLBACK
     layers = FITTERS[best.kind](projected[:, :best.components], labels, best.l2)
     head = to_head(layers, mean, scale, basis[:, :best.components], fmt)
-    return Fit(head, best, validation, auc(head.rewards(hidden), labels), len(labels), int(labels.sum()))
+    out_of_fold = np.zeros(len(labels))
+    for k in np.unique(fold):
+        inside = fold != k
+        if len(set(labels[inside])) == 2:
+            part = projected[:, :best.components]
+            out_of_fold[~inside] = forward(FITTERS[best.kind](part[inside], labels[inside], best.l2), part[~inside])
+    return Fit(head, best, validation, auc(head.rewards(hidden), labels), out_of_fold, len(labels),
+               int(labels.sum()))
