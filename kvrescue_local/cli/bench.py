@@ -11,9 +11,23 @@ from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sw
 from ..compose import open_models, select_models
 from ..eviction import policy_specs
 from ..files import check_writable
-from ..rescue import MODES, Mode
-from ..rescue.limits import check_prompts_fit
+from ..errors import KVRescueError
+from ..rescue import MODES, Mode, longest_prompt
+from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
+                             largest_fitting)
 from .common import DEFAULTS, int_list, name_list, note, search_options
+
+DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
+UNITS = {"k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
+
+
+def parse_size(text: str) -> int:
+    """'512M', '8G', '1.5g' or bytes -> bytes."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        return int(float(value[:-1]) * UNITS[value[-1]]) if value and value[-1] in UNITS else int(value)
+    except ValueError:
+        raise KVRescueError(f"--memory takes a size like 512M or 8G, not {text!r}") from None
 
 
 @click.group()
@@ -38,7 +52,12 @@ def bench() -> None:
 @click.option("--resume", is_flag=True, help="continue RESULTS, skipping what is done")
 @click.option("--shard", help="i/n: run the i-th of n interleaved slices (merge them with `bench merge`)")
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
-def run_command(dataset, data, limit, split, modes, budgets, ns, policies, results, resume, shard, offline, **options) -> None:
+@click.option("--concurrency", "-k", type=int,
+              help=f"problems solved at once on one engine [default: the most that fit --memory, at most "
+                   f"{DEFAULT_CONCURRENCY_CAP}]")
+@click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
+def run_command(dataset, data, limit, split, modes, budgets, ns, policies, results, resume, shard, offline, concurrency,
+                memory, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results")
@@ -58,6 +77,21 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, resul
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
     check_prompts_fit(template, [models.base, models.helper],
                       {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
+    allowed = parse_size(memory) if memory else available_memory() // 2
+    configs = [rescue_config(axis, template) for axis in axes]
+    prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for p in data_set.problems])
+    prm = models.prm
+
+    def need(config, slots: int) -> int:
+        return kv_memory(config, slots, models.base, models.helper, prm and prm.model, prm.params.n_ctx if prm else 0,
+                         prompt_tokens)
+
+    fits = largest_fitting(configs, allowed, need)
+    check_concurrency_fits(configs, concurrency or 1, allowed, need)
+    if concurrency is None:
+        concurrency = min(fits, DEFAULT_CONCURRENCY_CAP)
+    note(f"concurrency {concurrency} (at most {fits} fit in {allowed / GIB:.2f} GiB of KV memory; "
+         f"--concurrency, --memory)")
     total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 
@@ -73,7 +107,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, resul
 
         try:
             written = run_sweep(data_set, axes, template, models, results, resume, (shard_index, shard_count),
-                                on_result=on_result, on_skip=bar.update,
+                                concurrency, on_result=on_result, on_skip=bar.update,
                                 on_cut=lambda cut: click.echo(f"\ncut a partial last line ({cut} bytes, a crash "
                                                               f"mid-write) from {results}; its problem runs again",
                                                               err=True))
