@@ -11,23 +11,12 @@ from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sw
 from ..compose import open_models, select_models
 from ..eviction import policy_specs
 from ..files import check_writable
-from ..errors import KVRescueError
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
                              largest_fitting)
-from .common import DEFAULTS, int_list, name_list, note, search_options
+from .common import DEFAULTS, int_list, name_list, note, parse_size, search_options
 
 DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
-UNITS = {"k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
-
-
-def parse_size(text: str) -> int:
-    """'512M', '8G', '1.5g' or bytes -> bytes."""
-    value = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        return int(float(value[:-1]) * UNITS[value[-1]]) if value and value[-1] in UNITS else int(value)
-    except ValueError:
-        raise KVRescueError(f"--memory takes a size like 512M or 8G, not {text!r}") from None
 
 
 @click.group()
@@ -77,7 +66,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, resul
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
     check_prompts_fit(template, [models.base, models.helper],
                       {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
-    allowed = parse_size(memory) if memory else available_memory() // 2
+    allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
     configs = [rescue_config(axis, template) for axis in axes]
     prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for p in data_set.problems])
     prm = models.prm

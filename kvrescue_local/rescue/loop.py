@@ -187,15 +187,17 @@ class Rescue:
         return finished
 
     def score(self, flying: list[Solving]) -> None:
-        """The PRM scores the survivors of every problem that has a choice, in one call."""
+        """The PRM scores the survivors of every problem that has a choice, in one call; a text that several
+        candidates share is scored once, so equal steps get equal scores."""
         if not self.prm or not flying:
             return
         t0 = time.perf_counter()
-        survivors = {s.slot: [c for c in s.drafts if not c.killed] for s in flying}
-        rewards = self.prm.score_many({slot: [c.content for c in cands] for slot, cands in survivors.items()})
-        for slot, cands in survivors.items():
-            for cand, reward in zip(cands, rewards[slot]):
-                cand.score = float(reward)
+        texts = {s.slot: list(dict.fromkeys(c.content for c in s.drafts if not c.killed)) for s in flying}
+        rewards = self.prm.score_many(texts)
+        for s in flying:
+            by_text = dict(zip(texts[s.slot], rewards[s.slot]))
+            for cand in (c for c in s.drafts if not c.killed):
+                cand.score = float(by_text[cand.content])
         self.prm_seconds += time.perf_counter() - t0
 
     def advance(self, s: Solving, on_step) -> bool:
