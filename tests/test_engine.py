@@ -18,6 +18,7 @@ from kvrescue_local.prm import PRM, PRMParams
 from kvrescue_local.rescue import MODES, Rescue, longest_prompt
 from kvrescue_local.runtime import Model
 from kvrescue_local.toy.task import held_out
+from test_bench import bench_args
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +97,6 @@ def test_concurrency_beyond_sequences_or_memory_is_refused_naming_the_largest(ba
     assert f"concurrency {largest} (at most {largest} fit" in fits.output
     none = CliRunner().invoke(main, args + ["--memory", "100K"])
     assert none.exit_code != 0 and "not even one problem fits" in none.output and "raise --memory" in none.output
-
-
-def bench_args(base_path, helper_path, prm_path, results, *extra):
-    return ["bench", "run", "--dataset", "gsm8k", "--limit", "20", "--modes", "full,kvrescue", "--ns", "2",
-            "--policies", "rkv", "--budgets", "32", "--buffer", "16", "--max-tokens", "60", "--max-step-tokens", "16",
-            "--tau-entropy", "50", "--base", str(base_path), "--helper", str(helper_path), "--prm", str(prm_path),
-            "--results", str(results), *extra]
 
 
 def start_and_stop(args, results, rows, how):

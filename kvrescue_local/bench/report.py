@@ -248,16 +248,14 @@ def memory_capped(items: list[Throughput], cap: int | None = None) -> Table:
     rows = []
     for key, biggest in largest.items():
         fits = int(cap // biggest.kv_per_problem) if biggest.kv_per_problem > 0 else 0
-        measured = [t for t in items if t.key == key and t.concurrency <= fits]
-        at = max(measured, key=lambda t: t.concurrency) if measured else None
-        beyond = "≥ " if at is not None and fits > at.concurrency else ""
+        measured = [t for t in items if t.key == key and t.concurrency <= fits and t.per_minute]
+        best = max(measured, key=lambda t: t.per_minute) if measured else None
         rows.append([key.mode, "-" if key.budget is None else str(key.budget), str(key.n),
-                     fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if at is None else str(at.concurrency),
-                     "-" if at is None else beyond + fmt(at.per_minute, 2)])
+                     fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if best is None else str(best.concurrency),
+                     "-" if best is None else fmt(best.per_minute, 2)])
     notes = [f"At {cap / MIB:,.2f} MiB of KV caches (base, helper and PRM counted): fits = that budget / KV per "
-             "problem (peak / K at the largest K measured); prob/min is the one measured at the largest measured K "
-             "that fits (≥: more would fit than were measured)."]
-    return Table(f"Table 3, memory-capped: problems at once in {cap / MIB:,.2f} MiB of KV", 
+             "problem (peak / K at the largest K measured); prob/min: the best measured at a K that fits (at K)."]
+    return Table(f"Table 3, memory-capped: problems at once in {cap / MIB:,.2f} MiB of KV",
                  ["mode", "budget", "N", "KV MiB per problem", "fits", "at K", "prob/min"], rows,
                  ["l"] * 3 + ["r"] * 4, notes)
 

@@ -42,8 +42,8 @@ def bench() -> None:
 @click.option("--shard", help="i/n: run the i-th of n interleaved slices (merge them with `bench merge`)")
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
 @click.option("--concurrency", "-k", type=int,
-              help=f"problems solved at once on one engine [default: the most that fit --memory, at most "
-                   f"{DEFAULT_CONCURRENCY_CAP}]")
+              help=f"problems solved at once on one engine [default: on a GPU (-ngl > 0) the most that fit --memory, "
+                   f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured slower (README, Table 3)]")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
 def run_command(dataset, data, limit, split, modes, budgets, ns, policies, results, resume, shard, offline, concurrency,
                 memory, **options) -> None:
@@ -78,9 +78,11 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, resul
     fits = largest_fitting(configs, allowed, need)
     check_concurrency_fits(configs, concurrency or 1, allowed, need)
     if concurrency is None:
-        concurrency = min(fits, DEFAULT_CONCURRENCY_CAP)
+        # on a CPU every problem added to a decode adds its cells to every query's attention (one unified
+        # cache), and the batch saves little: more problems at once measured slower (README, Table 3)
+        concurrency = min(fits, DEFAULT_CONCURRENCY_CAP) if template.n_gpu_layers else 1
     note(f"concurrency {concurrency} (at most {fits} fit in {allowed / GIB:.2f} GiB of KV memory; "
-         f"--concurrency, --memory)")
+         f"{'' if template.n_gpu_layers else 'on a CPU the default is 1; '}--concurrency, --memory)")
     total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 

@@ -66,9 +66,15 @@ class PRM:
     # --- incremental scoring ----------------------------------------------
     def start(self, problem: str, slot: int = PREFIX) -> None:
         """Forget the slot's problem and queue the new one's header."""
-        self.ctx.drop(slot)
+        self.finish(slot)
         self.prefix[slot], self.queued[slot] = [], []
         self.append(slot, self.model.tokenize(self.format.header(problem, self.bos)))
+
+    def finish(self, slot: int) -> None:
+        """Forget the slot's problem and free its cells."""
+        self.ctx.drop(slot)
+        self.prefix.pop(slot, None)
+        self.queued.pop(slot, None)
 
     def append(self, slot: int, tokens: np.ndarray) -> None:
         self.check_length(slot, len(tokens))

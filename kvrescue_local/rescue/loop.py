@@ -241,6 +241,8 @@ class Rescue:
         for name, gen in self.sides.items():
             traj.tokens[name] = gen.tokens_generated[s.slot]
             gen.finish(s.slot)
+        if self.prm:
+            self.prm.finish(s.slot)
         if s.error:
             traj.stop = "error"
         seconds = {k: round(v, 4) for k, v in s.seconds.items() if k != "total"}
