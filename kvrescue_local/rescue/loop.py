@@ -105,22 +105,22 @@ class Rescue:
                       flash_attn=config.flash_attn, kv_type=config.kv_type, n_threads=config.n_threads,
                       slots=concurrency, slot_cells=config.full_context(prompt_tokens_max))
         self.sides: dict[str, Generator] = {}
-        for side, model in (("base", base), ("helper", helper)):
-            if side == "base" and config.uses_base or side == "helper" and config.uses_helper:
+        for side, model in {"base": base if config.uses_base else None,
+                            "helper": helper if config.uses_helper else None}.items():
+            if model is not None:
                 kv = config.kv if side == "base" and config.evicts else None
-                self.sides[side] = Generator(side, model, config.n, config.context_cells(side, concurrency,
-                                                                                         prompt_tokens_max), kv, **common)
+                n_ctx = config.context_cells(side, concurrency, prompt_tokens_max)
+                self.sides[side] = Generator(side, model, config.n, n_ctx, kv, **common)
         self.detector = Detector(config.detector) if config.mode.detects else None
         self.prompt_tokens_max = prompt_tokens_max
         self.prm_seconds = 0.0
 
     def solve(self, problem: str, on_step: Callable[[Step], None] | None = None) -> Trajectory:
         """One problem (the engine with one slot busy); a problem that cannot finish raises its error."""
-        for _, trajectory, error in self.run([problem], on_step=lambda _item, step: on_step(step) if on_step else None):
-            if error:
-                raise KVRescueError(error)
-            return trajectory
-        raise AssertionError("run yields every problem")
+        ((_, trajectory, error),) = self.run([problem], on_step=(lambda _, step: on_step(step)) if on_step else None)
+        if error:
+            raise KVRescueError(error)
+        return trajectory
 
     def run(self, items: Iterable[Item], text: Callable[[Item], str] = str,
             on_step: Callable[[Item, Step], None] | None = None) -> Iterator[tuple[Item, Trajectory, str | None]]:
