@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..bench.datasets import DATASET_NAMES, load_dataset
+from ..bench.results_file import read_rows
 from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 from ..compose import open_models, select_models
 from ..eviction import policy_specs
@@ -103,7 +104,9 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, resul
                                                               f"mid-write) from {results}; its problem runs again",
                                                               err=True))
         except KeyboardInterrupt:
-            click.echo(f"\ninterrupted: {tally['done']} results kept in {results}; continue with --resume", err=True)
+            # counted in the file: Ctrl-C can land between a row's write and its count
+            click.echo(f"\ninterrupted: {len(read_rows(results))} results kept in {results}; continue with --resume",
+                       err=True)
             raise SystemExit(130)
     click.echo(f"{written} new results in {results} ({accuracy() or 'nothing new to run'})")
 
