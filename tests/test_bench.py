@@ -142,14 +142,15 @@ def test_shards_merge_into_the_full_sweep(base_path, helper_path, tiny_prm_path,
 def test_n1_sweep_opens_no_prm_and_a_problem_that_cannot_finish_becomes_a_row(base_path, tmp_path, monkeypatch):
     from kvrescue_local.rescue import Rescue
 
-    solve = Rescue.solve
+    begin = Rescue.begin
 
-    def fails_on_the_robe(self, problem, on_step=None):
+    def fails_on_the_robe(self, item, problem, slot):
+        solving = begin(self, item, problem, slot)
         if problem.startswith("A robe"):
-            raise KVRescueError("the helper context (n_ctx=512) is full: raise its context size or lower --max-tokens")
-        return solve(self, problem, on_step)
+            solving.error = "the helper context (n_ctx=512) is full: raise its context size or lower --max-tokens"
+        return solving
 
-    monkeypatch.setattr(Rescue, "solve", fails_on_the_robe)
+    monkeypatch.setattr(Rescue, "begin", fails_on_the_robe)
     results = tmp_path / "r.jsonl"
     args = ["bench", "run", "--dataset", "gsm8k", "--limit", "3", "--modes", "full,bon", "--ns", "1", "--budgets", "32",
             "--buffer", "16", "--max-tokens", "24", "--max-step-tokens", "12", "--base", str(base_path),

@@ -129,8 +129,8 @@ def test_prm_context_grows_with_the_trajectory_up_to_its_training_context(conver
     for prm in (small, roomy):
         prm.start(PROBLEM)
         prm.commit("step. " * 40)  # past 256 tokens: the small one grows and re-encodes its prefix
-    assert small.ctx.n_ctx > 256
     np.testing.assert_allclose(small.score(CANDIDATES[:3]), roomy.score(CANDIDATES[:3]), atol=1e-5)
+    assert small.ctx.n_ctx > 256
     np.testing.assert_allclose(small.score_trajectory(PROBLEM, ["x" * 300] * 3),
                                roomy.score_trajectory(PROBLEM, ["x" * 300] * 3), atol=1e-5)
     with pytest.raises(KVRescueError, match="trained on a context of 4096: lower --max-tokens"):

@@ -12,7 +12,7 @@ from kvrescue_local import presets
 from kvrescue_local.bench.grade import is_correct
 from kvrescue_local.detect import Detector, DetectorParams, token_entropy
 from kvrescue_local.eviction import KVBudget
-from kvrescue_local.rescue import QWEN_MATH_COT, Generator, Rescue, RescueConfig, check_compatible
+from kvrescue_local.rescue import QWEN_MATH_COT, Generator, Request, Rescue, RescueConfig, check_compatible
 from kvrescue_local.runtime import Model, SamplingParams
 from kvrescue_local.runtime.attention import cell_scores, key_rows
 from kvrescue_local.wheels import WHEEL_MODELS, pull
@@ -46,8 +46,9 @@ def test_budgeted_candidates_with_rkv_on_every_layer(coder):
                     sampling=SamplingParams(temperature=0.7, top_p=0.8, seed=1), max_step_tokens=40)
     prompt = coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM))
     assert len(prompt) > kv.limit, "the prompt alone overflows the budget, so eviction runs before the first step"
-    gen.start(prompt)
-    candidates = gen.propose(round_seed=0)
+    gen.start(0, prompt)
+    gen.flush()
+    (candidates,) = gen.propose([Request(0, (0,))]).values()
     assert gen.budget.evictions > 0 and all(len(c.tokens) > 0 for c in candidates)
     for seq in range(3):
         assert 0 < gen.ctx.n_cells(seq) <= kv.budget + kv.buffer
@@ -63,17 +64,19 @@ def test_detector_on_real_logits(coder):
     gen = Generator("base", coder, n=1, n_ctx=1024, kv=None, sampling=SamplingParams(temperature=0),
                     max_step_tokens=48)
     prompt = coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM))
-    gen.start(prompt)
-    logits = gen.ctx.logits(gen.row).astype(np.float64)
+    gen.start(0, prompt)
+    gen.flush()
+    logits = gen.ctx.logits(gen.rows[0]).astype(np.float64)
     p = np.exp(logits - logits.max())
     p /= p.sum()
     assert token_entropy(logits) == pytest.approx(-(p[p > 0] * np.log(p[p > 0])).sum(), rel=1e-6)
-    (step,) = gen.propose(0, Detector(DetectorParams(entropy_window=8)))
+    ((step,),) = gen.propose([Request(0, (0,))], Detector(DetectorParams(entropy_window=8))).values()
     stats = step.monitor.stats()
     assert not step.killed and stats["tokens"] == len(step.tokens) >= 8
     assert 0 <= stats["max_mean_entropy"] < DetectorParams().tau_entropy, "a greedy step of a trained model is confident"
-    gen.start(prompt)  # the first token of a round is sampled from the committed sequence's last logits
-    (killed,) = gen.propose(0, Detector(DetectorParams(entropy_window=8, tau_entropy=1e-9)))
+    gen.start(0, prompt)  # the first token of a round is sampled from the committed sequence's last logits
+    gen.flush()
+    ((killed,),) = gen.propose([Request(0, (0,))], Detector(DetectorParams(entropy_window=8, tau_entropy=1e-9))).values()
     assert killed.killed and killed.monitor.killed == "entropy" and len(killed.tokens) == 8
 
 

@@ -8,6 +8,9 @@ Table 2 (ablation), one row per configuration (dataset, mode, budget, N, policy,
   pick between their answers (the paper's Figure 1a).
 Table 1 (decode cost), per configuration: mean seconds per problem inside llama.cpp for the base and
   the helper, in the PRM, in orchestration (the rest), in total; tokens per second of base and helper.
+Table 3 (throughput and KV memory by concurrency, and the memory-capped view), from rows that record
+  their engine (see kvrescue_local/bench/throughput.py); several results files of one sweep run at
+  different concurrencies are read together, and Tables 2 and 1 count each problem once.
 Every number is defined in kvrescue_local/bench/metrics.py. Rows of one configuration made with different
 setups (model files, prompt template, settings; seeds aside) are shown apart, with a setup column and notes
 naming what differs, unless pool_setups pools them.
@@ -21,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .metrics import Summary, oracles, setup_notes, summaries
+from .metrics import Summary, config_key, oracles, setup_notes, summaries
+from .throughput import Throughput, same_axes, throughputs
 
+MIB = 1024 * 1024
 REQUIRED = ("config", "correct", "n_steps", "tokens", "timings")
 REQUIRED_CONFIG = ("mode", "n")
 
@@ -191,11 +196,68 @@ def oracle_notes(rows: list[dict], pool_setups: bool) -> list[str]:
     return notes
 
 
-def render(rows: list[dict], markdown: bool = False, pool_setups: bool = False) -> str:
-    items = summaries(rows, pool_setups)
+def once_each(rows: list[dict], pool_setups: bool) -> list[dict]:
+    """The first row of each problem and configuration: runs at other concurrencies repeat the same results."""
+    first: dict[tuple, dict] = {}
+    for row in rows:
+        first.setdefault((row.get("dataset"), row.get("id"), config_key(row, pool_setups)), row)
+    return list(first.values())
+
+
+def render(rows: list[dict], markdown: bool = False, pool_setups: bool = False, kv_cap: int | None = None) -> str:
+    unique = once_each(rows, pool_setups)
+    items = summaries(unique, pool_setups)
     tables = [table2(items), table1(items)]
-    tables[0].notes += oracle_notes(rows, pool_setups)
+    tables[0].notes += oracle_notes(unique, pool_setups)
+    speeds = throughputs(rows, pool_setups)
+    if speeds:
+        tables += [table3(speeds), memory_capped(speeds, kv_cap)]
     return "\n\n".join(t.markdown() if markdown else t.text() for t in tables) + "\n"
+
+
+def _throughput_cells(t: Throughput) -> list[str]:
+    return [t.key.mode, "-" if t.key.budget is None else str(t.key.budget), str(t.key.n)]
+
+
+def table3(items: list[Throughput]) -> Table:
+    headers = ["mode", "budget", "N", "K", "problems", "pass@1 %", "prob/min", "vs bon", "peak KV MiB",
+               "base / helper / PRM MiB", "KV MiB per problem"]
+    rows = []
+    for t in items:
+        bon = next((b for b in items if b.key.mode == "bon" and b.concurrency == t.concurrency and
+                    same_axes(b.key, t.key)), None)
+        ratio = t.per_minute / bon.per_minute if t.key.mode == "kvrescue" and bon and bon.per_minute and \
+            t.per_minute else None
+        parts = " / ".join(fmt(t.kv_parts[p] / MIB, 2) if p in t.kv_parts else "-" for p in ("base", "helper", "prm"))
+        rows.append(_throughput_cells(t) + [str(t.concurrency), str(t.problems), fmt(t.pass1), fmt(t.per_minute, 2),
+                                        fmt(ratio, 2) + ("x" if ratio else ""), fmt(t.kv_peak / MIB, 2), parts,
+                                        fmt(t.kv_per_problem / MIB, 3)])
+    notes = ["K: problems solved at once; prob/min: problems / wall-clock seconds at that K (runs summed); vs bon: "
+             "KV-Rescue's prob/min over evicted best-of-N's at the same budget, N and K; peak KV: the most bytes "
+             "the KV caches held at the end of a round (shared cells once), base + helper + PRM."]
+    return Table("Table 3: throughput and KV memory by concurrency", headers, rows, ["l"] * 3 + ["r"] * 8, notes)
+
+
+def memory_capped(items: list[Throughput], cap: int | None = None) -> Table:
+    """How many problems each configuration fits in `cap` KV bytes (default: the largest peak measured)."""
+    cap = cap or max(t.kv_peak for t in items)
+    largest: dict[ConfigKey, Throughput] = {}
+    for t in items:
+        if t.key not in largest or t.concurrency > largest[t.key].concurrency:
+            largest[t.key] = t
+    rows = []
+    for key, biggest in largest.items():
+        fits = int(cap // biggest.kv_per_problem) if biggest.kv_per_problem > 0 else 0
+        measured = [t for t in items if t.key == key and t.concurrency <= fits and t.per_minute]
+        best = max(measured, key=lambda t: t.per_minute) if measured else None
+        rows.append([key.mode, "-" if key.budget is None else str(key.budget), str(key.n),
+                     fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if best is None else str(best.concurrency),
+                     "-" if best is None else fmt(best.per_minute, 2)])
+    notes = [f"At {cap / MIB:,.2f} MiB of KV caches (base, helper and PRM counted): fits = that budget / KV per "
+             "problem (peak / K at the largest K measured); prob/min: the best measured at a K that fits (at K)."]
+    return Table(f"Table 3, memory-capped: problems at once in {cap / MIB:,.2f} MiB of KV",
+                 ["mode", "budget", "N", "KV MiB per problem", "fits", "at K", "prob/min"], rows,
+                 ["l"] * 3 + ["r"] * 4, notes)
 
 
 def report(path: str | Path, markdown: bool = False) -> str:

@@ -1,7 +1,10 @@
 """Sweeps: problems × configurations (mode, budget, N, policy), one JSONL line per pair, resumable.
 
-Each line is flushed as soon as its problem finishes, so a crash or Ctrl-C loses at most the
-problem in flight; `resume` skips the (dataset, problem, configuration) triples already there.
+A configuration's problems run `concurrency` at a time on one engine; each line is flushed as soon as
+its problem finishes, so a crash or Ctrl-C loses at most the problems in flight; `resume` skips the
+(dataset, problem, configuration) triples already there. Rows record the concurrency, the run and the
+wall time since the configuration started in it (problems per minute at that concurrency, `report`'s
+Table 3), never as a setting: results do not depend on it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import dataclasses
 import json
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
@@ -17,7 +21,7 @@ from typing import Callable, Iterable
 
 from ..errors import KVRescueError
 from ..prm import PRM
-from ..rescue import Mode, Rescue, RescueConfig, Trajectory, longest_prompt
+from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
 from ..runtime import Model
 from .datasets import Dataset
 from .metrics import result_line
@@ -79,11 +83,6 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     return index, count
 
 
-def unfinished(problem: str, seconds: float) -> Trajectory:
-    """The trajectory of a problem that stopped with an error: no answer, no steps."""
-    return Trajectory(problem, {}, stop="error", timings={"total": round(seconds, 4)})
-
-
 @dataclass
 class Models:
     base: Model | None
@@ -96,7 +95,7 @@ class Models:
 
 
 def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models: Models,
-              results: Path, resume: bool = False, shard: tuple[int, int] = (0, 1),
+              results: Path, resume: bool = False, shard: tuple[int, int] = (0, 1), concurrency: int = 1,
               on_result: Callable[[dict], None] | None = None, on_skip: Callable[[int], None] | None = None,
               on_cut: Callable[[int], None] | None = None) -> int:
     """Run what is not done yet; returns the number of lines written. on_cut hears of a partial last line cut
@@ -122,31 +121,31 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         if on_skip:
             on_skip(len(tasks) - len(todo))
         written = 0
-        engines: dict[Axis, Rescue] = {}
         prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for _, p in todo]) if todo else 0
+        run_id = uuid.uuid4().hex[:12]
         with results.open("a", encoding="utf-8") as out:
-            for axis, problem in todo:
-                if axis not in engines:
-                    engines.clear()  # one configuration's contexts at a time
-                    engines[axis] = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
-                                           prompt_tokens_max=prompt_tokens)
-                engine = engines[axis]
+            for axis in dict.fromkeys(axis for axis, _ in todo):  # one configuration's contexts at a time
+                engine = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
+                                prompt_tokens_max=prompt_tokens, concurrency=concurrency)
                 started = time.perf_counter()
-                try:
-                    trajectory, error = engine.solve(problem.problem), None
-                except KVRescueError as exc:  # this problem cannot finish here: its row says why and the sweep goes on
-                    trajectory, error = unfinished(problem.problem, time.perf_counter() - started), str(exc)
-                line = result_line(label, problem.id, problem.answer, dataset.grade(problem.answer, trajectory.answer),
-                                   axis.key, results_config(axis, engine.config), trajectory)
-                line["setup"] = setups[axis]
-                if error:
-                    line["error"] = error
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-                out.flush()
-                os.fsync(out.fileno())
-                written += 1
-                if on_result:
-                    on_result(line)
+                # a problem that cannot finish here becomes a row that says why, and the sweep goes on
+                for problem, trajectory, error in engine.run([p for a, p in todo if a == axis], text=lambda p: p.problem):
+                    line = result_line(label, problem.id, problem.answer,
+                                       dataset.grade(problem.answer, trajectory.answer), axis.key,
+                                       results_config(axis, engine.config), trajectory)
+                    line["setup"] = setups[axis]
+                    line["engine"] = {"concurrency": concurrency, "run": run_id,
+                                      "elapsed": round(time.perf_counter() - started, 4),
+                                      "kv_peak_bytes": engine.peak_kv_bytes()}
+                    if error:
+                        line["error"] = error
+                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
+                    out.flush()
+                    os.fsync(out.fileno())
+                    written += 1
+                    if on_result:
+                        on_result(line)
+                del engine  # its contexts go before the next configuration's are made
     return written
 
 

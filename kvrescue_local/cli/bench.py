@@ -7,14 +7,18 @@ from pathlib import Path
 import click
 
 from ..bench.datasets import DATASET_NAMES, load_dataset
+from ..bench.results_file import read_rows
 from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 from ..compose import open_models, select_models
 from ..eviction import policy_specs
 from ..files import check_writable
-from ..rescue import MODES, Mode
+from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES
-from ..rescue.limits import check_prompts_fit
-from .common import DEFAULTS, int_list, name_list, note, search_options
+from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
+                             largest_fitting)
+from .common import DEFAULTS, int_list, name_list, note, parse_size, search_options
+
+DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
 
 
 @click.group()
@@ -42,7 +46,12 @@ def bench() -> None:
 @click.option("--resume", is_flag=True, help="continue RESULTS, skipping what is done")
 @click.option("--shard", help="i/n: run the i-th of n interleaved slices (merge them with `bench merge`)")
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
-def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choices, results, resume, shard, offline, **options) -> None:
+@click.option("--concurrency", "-k", type=int,
+              help=f"problems solved at once on one engine [default: on a GPU (-ngl > 0) the most that fit --memory, "
+                   f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured slower (README, Table 3)]")
+@click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
+def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choices, results, resume, shard, offline,
+                concurrency, memory, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results")
@@ -65,6 +74,22 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
     check_prompts_fit(template, [models.base, models.helper],
                       {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
+    allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
+    prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for p in data_set.problems])
+    prm = models.prm
+
+    def need(config, slots: int) -> int:
+        return kv_memory(config, slots, models.base, models.helper, prm and prm.model, prm.params.n_ctx if prm else 0,
+                         prompt_tokens)
+
+    fits = largest_fitting(configs, allowed, need)
+    check_concurrency_fits(configs, concurrency or 1, allowed, need)
+    if concurrency is None:
+        # on a CPU every problem added to a decode adds its cells to every query's attention (one unified
+        # cache), and the batch saves little: more problems at once measured slower (README, Table 3)
+        concurrency = min(fits, DEFAULT_CONCURRENCY_CAP) if template.n_gpu_layers else 1
+    note(f"concurrency {concurrency} (at most {fits} fit in {allowed / GIB:.2f} GiB of KV memory; "
+         f"{'' if template.n_gpu_layers else 'on a CPU the default is 1; '}--concurrency, --memory)")
     total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 
@@ -80,12 +105,14 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
 
         try:
             written = run_sweep(data_set, axes, template, models, results, resume, (shard_index, shard_count),
-                                on_result=on_result, on_skip=bar.update,
+                                concurrency, on_result=on_result, on_skip=bar.update,
                                 on_cut=lambda cut: click.echo(f"\ncut a partial last line ({cut} bytes, a crash "
                                                               f"mid-write) from {results}; its problem runs again",
                                                               err=True))
         except KeyboardInterrupt:
-            click.echo(f"\ninterrupted: {tally['done']} results kept in {results}; continue with --resume", err=True)
+            # counted in the file: Ctrl-C can land between a row's write and its count
+            click.echo(f"\ninterrupted: {len(read_rows(results))} results kept in {results}; continue with --resume",
+                       err=True)
             raise SystemExit(130)
     click.echo(f"{written} new results in {results} ({accuracy() or 'nothing new to run'})")
 

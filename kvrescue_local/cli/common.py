@@ -68,6 +68,21 @@ def int_list(text: str) -> list[int]:
         raise KVRescueError(f"expected comma-separated integers, not {text!r}") from None
 
 
+UNITS = {"k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
+
+
+def parse_size(text: str, option: str) -> int:
+    """'512M', '8G', '1.5GiB' or bytes -> bytes."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        size = int(float(value[:-1]) * UNITS[value[-1]]) if value and value[-1] in UNITS else int(value)
+    except ValueError:
+        raise KVRescueError(f"{option} takes a size like 512M or 8G, not {text!r}") from None
+    if size <= 0:
+        raise KVRescueError(f"{option} must be a positive size, not {text!r}")
+    return size
+
+
 def name_list(text: str, allowed, what: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in names if x not in allowed]

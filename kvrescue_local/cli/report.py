@@ -8,10 +8,11 @@ import click
 
 from ..errors import KVRescueError
 from ..files import check_writable
+from .common import parse_size
 
 
 @click.command("report")
-@click.argument("results", type=click.Path(path_type=Path), required=False)
+@click.argument("results", type=click.Path(path_type=Path), nargs=-1)
 @click.option("--markdown", is_flag=True, help="GitHub markdown tables instead of aligned text")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False, path_type=Path),
               help="write the figures (pass@1 vs budget, step sources, detector histograms) as PNGs here")
@@ -21,9 +22,12 @@ from ..files import check_writable
               help="the HTML page to write (default: the trajectory's name with .html)")
 @click.option("--pool-setups", is_flag=True,
               help="pool rows of one configuration made with different models, prompts or settings")
-def report(results: Path | None, markdown: bool, plots_dir: Path | None, trajectory: Path | None,
-           html_out: Path | None, pool_setups: bool) -> None:
-    """Table 2 (ablation) and Table 1 (decode cost) from a RESULTS JSONL file; --html alone needs no RESULTS.
+@click.option("--kv-cap", help="Table 3's memory-capped view at this many bytes of KV caches, e.g. 64M "
+                               "[default: the largest peak measured]")
+def report(results: tuple[Path, ...], markdown: bool, plots_dir: Path | None, trajectory: Path | None,
+           html_out: Path | None, pool_setups: bool, kv_cap: str | None) -> None:
+    """Table 2 (ablation), Table 1 (decode cost) and Table 3 (throughput by concurrency) from RESULTS JSONL files
+    (one sweep, e.g. run at several --concurrency values); --html alone needs no RESULTS.
 
     Rows of one configuration made with different model files, prompt templates or settings (seeds aside)
     are shown as separate rows, one per setup, unless --pool-setups pools them."""
@@ -31,14 +35,15 @@ def report(results: Path | None, markdown: bool, plots_dir: Path | None, traject
 
     if html_out is not None and trajectory is None:
         raise KVRescueError("--out names the HTML page of --html TRAJECTORY.json: pass both")
-    if results is None and (trajectory is None or plots_dir is not None):
+    if not results and (trajectory is None or plots_dir is not None):
         raise KVRescueError("pass a RESULTS .jsonl file (from `bench run`) for the tables and plots; --html "
                             "TRAJECTORY.json alone needs none")
     if trajectory is not None:
         check_writable(html_out or trajectory.with_suffix(".html"), "--out")
-    rows = load_results(results) if results is not None else []
+    rows = [row for path in results for row in load_results(path)]
     if rows:
-        click.echo(render(rows, markdown=markdown, pool_setups=pool_setups), nl=False)
+        click.echo(render(rows, markdown=markdown, pool_setups=pool_setups,
+                          kv_cap=parse_size(kv_cap, "--kv-cap") if kv_cap else None), nl=False)
     if plots_dir is not None:
         from ..bench.plots import write_plots
 

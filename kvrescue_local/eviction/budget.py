@@ -105,13 +105,14 @@ def evicted_runs(positions: np.ndarray, kept: np.ndarray) -> list[tuple[int, int
 class Track:
     """What the budget knows of one sequence between its decodes."""
 
+    n_prompt: int = 0  # its prompt's tokens (compressed once read if over the budget; kept if protected)
     taken: int = 0  # tokens decoded into it since it was empty: its clock
     cells: int = 0  # resident cells when last seen
     # clock -> (positions, [n_layer, n] scores) at that clock
     snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def copy(self) -> Track:
-        return Track(self.taken, self.cells, dict(self.snapshots))
+        return Track(self.n_prompt, self.taken, self.cells, dict(self.snapshots))
 
 
 @dataclass
@@ -128,11 +129,13 @@ class BudgetedSequences:
 
     ctx: Context
     config: KVBudget
-    n_prompt: int = 0
+    n_prompt: int = 0  # the prompt of a sequence not given its own by `start`
     policy: Policy = field(init=False)
     evictions: int = 0
     fallback_evictions: int = 0  # evictions of an attention policy that had no observation-window snapshot
-    peak_cells: int = 0  # most cells a sequence held when checked (the caller may reset it)
+    # per sequence id, kept across drops until the caller clears them: [evictions, fallback evictions]
+    counts: dict[int, list[int]] = field(default_factory=dict)
+    peak_cells: dict[int, int] = field(default_factory=dict)  # most cells each sequence held when checked
     last_choice: tuple[EvictionInputs, np.ndarray] | None = None  # what the policy saw and kept, last time
     tracks: dict[int, Track] = field(default_factory=dict)
 
@@ -143,6 +146,10 @@ class BudgetedSequences:
                                 "drop single positions, so KV eviction needs a pure-attention model")
         if self.policy.needs_attention:
             enable_scores(self.ctx, self.config.window)
+
+    def start(self, seq_id: int, n_prompt: int) -> None:
+        """seq_id (empty) is about to read a prompt of n_prompt tokens."""
+        self.tracks[seq_id] = Track(n_prompt)
 
     def fork(self, src: int, dst: int) -> None:
         self.ctx.fork(src, dst)
@@ -156,15 +163,14 @@ class BudgetedSequences:
 
     def track(self, seq_id: int) -> Track:
         """seq_id's track, its clock advanced by the tokens decoded since it was last seen."""
-        track = self.tracks.setdefault(seq_id, Track())
+        track = self.tracks.setdefault(seq_id, Track(self.n_prompt))
         cells = self.ctx.n_cells(seq_id)
         track.taken += cells - track.cells
         track.cells = cells
         return track
 
-    @property
-    def compresses_prompt(self) -> bool:
-        return self.n_prompt > self.config.budget
+    def compresses_prompt(self, track: Track) -> bool:
+        return track.n_prompt > self.config.budget
 
     def next_chunk(self, seq_id: int, n_tokens: int, most: int) -> int:
         """How many of n_tokens to decode into seq_id next (at most `most`): a decode ends at every
@@ -172,25 +178,25 @@ class BudgetedSequences:
         track = self.track(seq_id)
         limit, window = self.config.limit, self.config.window
         ahead = [limit - track.cells]
-        if self.compresses_prompt:
-            ahead.append(self.n_prompt - track.taken)
+        if self.compresses_prompt(track):
+            ahead.append(track.n_prompt - track.taken)
         if self.policy.needs_attention:
             ahead.append(limit - window - track.cells)
-            if self.compresses_prompt:
-                ahead.append(self.n_prompt - window - track.taken)
+            if self.compresses_prompt(track):
+                ahead.append(track.n_prompt - window - track.taken)
         return min([n_tokens, most] + [a for a in ahead if a > 0])
 
     def enforce(self, seq_id: int) -> bool:
         """Evict seq_id back to the budget if it reached budget + buffer (or just read a prompt longer than
         the budget); True if it evicted."""
         track = self.track(seq_id)
-        self.peak_cells = max(self.peak_cells, track.cells)
-        prompt_read = self.compresses_prompt and track.taken == self.n_prompt and track.cells > self.config.budget
+        self.peak_cells[seq_id] = max(self.peak_cells.get(seq_id, 0), track.cells)
+        prompt_read = self.compresses_prompt(track) and track.taken == track.n_prompt and track.cells > self.config.budget
         evicted = track.cells >= self.config.limit or prompt_read
         if evicted:
             self.evict(seq_id, track)
         window_starts = (track.cells == self.config.limit - self.config.window
-                         or (self.compresses_prompt and track.taken == self.n_prompt - self.config.window))
+                         or (self.compresses_prompt(track) and track.taken == track.n_prompt - self.config.window))
         if self.policy.needs_attention and window_starts:
             cells, positions = self.ctx.cells(seq_id)
             track.snapshots[track.taken] = (positions, self.layer_scores(seq_id, cells))
@@ -199,7 +205,7 @@ class BudgetedSequences:
     def evict(self, seq_id: int, track: Track) -> None:
         cells, positions = self.ctx.cells(seq_id)
         inputs = self.inputs(seq_id, track, cells, positions)
-        kept = self.config.keep(positions, self.policy.score(inputs), self.n_prompt)
+        kept = self.config.keep(positions, self.policy.score(inputs), track.n_prompt)
         for p0, p1 in evicted_runs(positions, kept):
             self.ctx.remove(seq_id, p0, p1)
         track.cells = self.ctx.n_cells(seq_id)
@@ -207,6 +213,7 @@ class BudgetedSequences:
         track.snapshots = {t: s for t, s in track.snapshots.items() if t > track.taken - self.config.window}
         self.last_choice = (inputs, kept)
         self.evictions += 1
+        self.counts.setdefault(seq_id, [0, 0])[0] += 1
 
     def layer_scores(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
         """[n_layer, len(cells)] accumulated attention of seq_id."""
@@ -220,6 +227,7 @@ class BudgetedSequences:
             return now
         if start not in track.snapshots:
             self.fallback_evictions += 1
+            self.counts.setdefault(seq_id, [0, 0])[1] += 1
             return now
         before_positions, before = track.snapshots[start]
         at = np.minimum(np.searchsorted(before_positions, positions), len(before_positions) - 1)
@@ -228,7 +236,7 @@ class BudgetedSequences:
         return now
 
     def inputs(self, seq_id: int, track: Track, cells: np.ndarray, positions: np.ndarray) -> EvictionInputs:
-        forced = self.config.forced(positions, self.n_prompt)
+        forced = self.config.forced(positions, track.n_prompt)
         n_choose = max(0, self.config.budget - int(forced.sum()))
         if not self.policy.needs_attention:
             return EvictionInputs(positions, forced, n_choose)

@@ -1,9 +1,9 @@
 """The stepwise search: KV-Rescue and its baselines on one shared machinery, and its records."""
 
 from .config import QWEN_MATH_COT, RescueConfig
-from .generator import Draft, Generator
-from .loop import Rescue, check_compatible, longest_prompt
+from .generator import Draft, Generator, Request
+from .loop import Rescue, check_compatible, choose, longest_prompt, problem_key
 from .record import MODES, SCHEMA_VERSION, Candidate, Mode, Step, Trajectory
 
-__all__ = ["MODES", "QWEN_MATH_COT", "SCHEMA_VERSION", "Candidate", "Draft", "Generator", "Mode", "Rescue",
-           "RescueConfig", "Step", "Trajectory", "check_compatible", "longest_prompt"]
+__all__ = ["MODES", "QWEN_MATH_COT", "SCHEMA_VERSION", "Candidate", "Draft", "Generator", "Mode", "Request", "Rescue",
+           "RescueConfig", "Step", "Trajectory", "check_compatible", "choose", "longest_prompt", "problem_key"]

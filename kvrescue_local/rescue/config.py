@@ -91,6 +91,25 @@ class RescueConfig:
                                 f"{self.max_step_tokens} tokens: it needs {needed}; raise it or lower --max-tokens")
         return self.helper_ctx or needed
 
+    def context_cells(self, side: str, slots: int, prompt_tokens: int) -> int:
+        """Cells of a side's context for `slots` problems at once: the evicted base's sequences each up to budget +
+        buffer, otherwise every problem's full context; one decode batch on top."""
+        if side == "base" and self.evicts:
+            return self.kv.context_cells(slots * (self.n + 1), self.n_batch)
+        return slots * (self.full_context(prompt_tokens) - self.n_batch) + self.n_batch
+
+    def largest_concurrency(self) -> int:
+        """Most problems at once that llama.cpp's sequences allow: N + 1 per problem on a model, and on the PRM one
+        per problem beside a round's candidates; the last decode of a round starting holds one token per problem."""
+        return min(LLAMA_MAX_SEQ // (self.n + 1), LLAMA_MAX_SEQ - self.candidates_per_round, self.n_batch)
+
+    def check_concurrency(self, concurrency: int) -> None:
+        largest = self.largest_concurrency()
+        if not 1 <= concurrency <= largest:
+            raise KVRescueError(f"concurrency {concurrency} does not fit: {self.mode} mode with N={self.n} runs at "
+                                f"most {largest} problems at once ({self.n + 1} of llama.cpp's {LLAMA_MAX_SEQ} "
+                                f"sequences each); use --concurrency 1 to {largest}")
+
     def prm_context(self, problem_bytes: int) -> int:
         """The PRM's cells: its template, the problem (a token covers at least one byte, so the UTF-8
         length bounds its tokens), the trajectory and one batch of candidates."""

@@ -1,15 +1,21 @@
-"""The KV-Rescue loop: rounds of candidate steps from the evicted base and the full-context helper,
-degenerate base candidates killed early, the PRM's favourite committed to one shared trajectory.
+"""The KV-Rescue engine: K problems at once, each in rounds of candidate steps from the evicted base and
+the full-context helper, degenerate base candidates killed early, the PRM's favourite committed to the
+problem's trajectory.
 
 Modes share this machinery: `full` (base, no eviction), `bon` (base with eviction), `helper`
-(helper alone) and `kvrescue` (both, with the detector on the base).
+(helper alone) and `kvrescue` (both, with the detector on the base). The problems in flight share one
+context per model (a slot of sequences each, see generator.py) and the PRM's: a round decodes the
+candidates of every problem together, scores all of them in one PRM call, commits each problem's winner,
+and a finished problem's slot takes the next one from the queue at once. Seeds come from the problem's
+text, the round, the side and the candidate, so a trajectory does not depend on what shares its batch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
-import zlib
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -18,10 +24,13 @@ from ..detect import Detector
 from ..errors import KVRescueError
 from ..prm import PRM
 from ..runtime import Model, SamplingParams
+from ..runtime.context import kv_bytes_per_cell
 from .config import RescueConfig
-from .generator import Draft, Generator
+from .generator import Draft, Generator, Request
 from .record import Step, Trajectory
+
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+Item = TypeVar("Item")
 
 
 def check_compatible(base: Model, helper: Model) -> bool:
@@ -43,20 +52,46 @@ def longest_prompt(config: RescueConfig, models: list[Model | None], problems: l
     return max(len(m.tokenize(config.prompt.format(problem=p))) for m in models if m is not None for p in problems)
 
 
-def choose(survivors: list[Draft], config: RescueConfig, problem: str, round_index: int) -> Draft:
-    """The round's winner: the best scored survivor, or with choice "random" one drawn by a seed of the run's
-    seed, the problem and the round (reproducible, and not the same draw on every problem)."""
+def problem_key(problem: str) -> int:
+    """A stable number for a problem's text, part of its seeds: the same in `solve` and `bench`, at any K."""
+    return int.from_bytes(hashlib.sha256(problem.encode()).digest()[:4], "little")
+
+
+def choose(survivors: list[Draft], config: RescueConfig, problem_key: int, round_index: int) -> Draft:
+    """The round's winner: the PRM's favourite (a lone survivor is unscored), or with choice "random" one drawn
+    by a seed of the run's seed, the problem and the round (reproducible, and not the same draw on every problem)."""
     if config.choice == "random":
-        rng = np.random.default_rng([config.seed, zlib.crc32(problem.encode()), round_index])
+        rng = np.random.default_rng([config.seed, problem_key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
     return max(survivors, key=lambda c: c.score if c.score is not None else 0.0)
 
 
+@dataclass
+class Solving:
+    """A problem in flight: its slot, its trajectory so far and the seconds charged to it."""
+
+    item: object
+    slot: int
+    trajectory: Trajectory
+    key: int
+    started: float
+    round: int = 0
+    tail: bytes = b""
+    drafts: list[Draft] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # llama_<side>, prm, total: its share of each round
+    error: str | None = None
+
+    def charge(self, costs: dict[str, float]) -> None:
+        for k, v in costs.items():
+            self.seconds[k] = self.seconds.get(k, 0.0) + v
+
+
 class Rescue:
-    """Runs problems through one mode; models, contexts and the PRM are created once and reused."""
+    """Runs problems through one mode, `concurrency` at a time; models, contexts and the PRM are created once
+    and reused."""
 
     def __init__(self, config: RescueConfig, base: Model | None = None, helper: Model | None = None,
-                 prm: PRM | None = None, prompt_tokens_max: int = 512) -> None:
+                 prm: PRM | None = None, prompt_tokens_max: int = 512, concurrency: int = 1) -> None:
         self.config = config
         if config.uses_base and base is None:
             raise KVRescueError(f"mode {config.mode} needs a base model: pass --base")
@@ -65,97 +100,176 @@ class Rescue:
         if prm is None and config.needs_prm:
             raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
                                 "them: pass --prm (or use N=1, or --choice random)")
+        config.check_concurrency(concurrency)
         self.same_vocab = check_compatible(base, helper) if config.uses_base and config.uses_helper else False
-        self.prm = prm if config.needs_prm else None  # with one candidate there is nothing to choose
+        self.prm = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
+        if self.prm:
+            self.prm.reserve(concurrency)
+        self.concurrency = concurrency
         sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
-        full_ctx = config.full_context(prompt_tokens_max)
         common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
-                      flash_attn=config.flash_attn, kv_type=config.kv_type, n_threads=config.n_threads)
+                      flash_attn=config.flash_attn, kv_type=config.kv_type, n_threads=config.n_threads,
+                      slots=concurrency, slot_cells=config.full_context(prompt_tokens_max))
         self.sides: dict[str, Generator] = {}
-        if config.uses_base:
-            kv = config.kv if config.evicts else None
-            n_ctx = kv.context_cells(config.n + 1, config.n_batch) if kv else full_ctx
-            self.sides["base"] = Generator("base", base, config.n, n_ctx, kv, **common)
-        if config.uses_helper:
-            self.sides["helper"] = Generator("helper", helper, config.n, full_ctx, None, **common)
+        for side, model in {"base": base if config.uses_base else None,
+                            "helper": helper if config.uses_helper else None}.items():
+            if model is not None:
+                kv = config.kv if side == "base" and config.evicts else None
+                n_ctx = config.context_cells(side, concurrency, prompt_tokens_max)
+                self.sides[side] = Generator(side, model, config.n, n_ctx, kv, **common)
         self.detector = Detector(config.detector) if config.mode.detects else None
         self.prompt_tokens_max = prompt_tokens_max
+        self.prm_seconds = 0.0
 
     def solve(self, problem: str, on_step: Callable[[Step], None] | None = None) -> Trajectory:
+        """One problem (the engine with one slot busy); a problem that cannot finish raises its error."""
+        ((_, trajectory, error),) = self.run([problem], on_step=(lambda _, step: on_step(step)) if on_step else None)
+        if error:
+            raise KVRescueError(error)
+        return trajectory
+
+    def run(self, items: Iterable[Item], text: Callable[[Item], str] = str,
+            on_step: Callable[[Item, Step], None] | None = None) -> Iterator[tuple[Item, Trajectory, str | None]]:
+        """Solve the problems `text(item)`, `concurrency` at a time, yielding (item, trajectory, error) as each
+        finishes (error: why it could not finish, its trajectory then holds what it did)."""
+        queue = iter(items)
+        flying: dict[int, Solving] = {}
+        while True:
+            for slot in (s for s in range(self.concurrency) if s not in flying):
+                item = next(queue, queue)
+                if item is queue:
+                    break
+                flying[slot] = self.begin(item, text(item), slot)
+            for solving in flying.values():
+                solving.error = solving.error or next(filter(None, (g.overflow(solving.slot)
+                                                                    for g in self.sides.values())), None)
+            failed = [s for s in flying.values() if s.error is not None]
+            for solving in failed:
+                yield self.end(flying.pop(solving.slot))
+            if failed:
+                continue  # their slots take the next problems first
+            if not flying:
+                return
+            for gen in self.sides.values():
+                gen.flush()
+            for solving in self.round(list(flying.values()), on_step):
+                yield self.end(flying.pop(solving.slot))
+
+    def begin(self, item, problem: str, slot: int) -> Solving:
+        solving = Solving(item, slot, Trajectory(problem, self.config.as_dict()), problem_key(problem),
+                          time.perf_counter())
+        prompt = self.config.prompt.format(problem=problem)
+        for gen in self.sides.values():
+            tokens = gen.model.tokenize(prompt)
+            if len(tokens) > self.prompt_tokens_max:
+                solving.error = (f"the problem is {len(tokens)} tokens long, over the {self.prompt_tokens_max} "
+                                 "reserved for the prompt: shorten it or raise prompt_tokens_max")
+                return solving
+            gen.start(slot, tokens)
+        if self.prm:
+            self.prm.start(problem, slot)
+        return solving
+
+    def round(self, flying: list[Solving], on_step) -> list[Solving]:
+        """One round of every problem in flight; returns those that finished."""
         cfg = self.config
         started = time.perf_counter()
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
-        budget = self.sides["base"].budget if "base" in self.sides else None
-        evictions_before = (budget.evictions, budget.fallback_evictions) if budget else (0, 0)
-        prm_seconds = 0.0
-        prompt = cfg.prompt.format(problem=problem)
-        traj = Trajectory(problem, cfg.as_dict())
-        for name, gen in self.sides.items():
-            tokens = gen.model.tokenize(prompt)
-            if len(tokens) > self.prompt_tokens_max:
-                raise KVRescueError(f"the problem is {len(tokens)} tokens long, over the {self.prompt_tokens_max} "
-                                    "reserved for the prompt: shorten it or raise prompt_tokens_max")
-            gen.start(tokens)
-        if self.prm:
-            self.prm.start(problem)
-        tail = b""
-        for round_index in range(cfg.max_steps):
-            candidates: list[Draft] = []
-            for side_index, (name, gen) in enumerate(self.sides.items()):
-                detector = self.detector if name == "base" else None
-                candidates += gen.propose(cfg.seed * 1_000_003 + round_index * 2 + side_index, detector, tail)
-            survivors = [c for c in candidates if not c.killed]
-            if not survivors:
-                traj.stop = "all_killed"
-                break
-            if self.prm and len(survivors) > 1:
-                t0 = time.perf_counter()
-                for cand, score in zip(survivors, self.prm.score([c.content for c in survivors])):
-                    cand.score = float(score)
-                prm_seconds += time.perf_counter() - t0
-            winner = choose(survivors, cfg, problem, round_index)
-            self.commit(winner)
-            if self.prm:
-                t0 = time.perf_counter()
-                self.prm.commit(winner.content)
-                prm_seconds += time.perf_counter() - t0
-            tail = (tail + bytes(winner.text))[-cfg.detector.text_window:]
-            step = Step(round_index, winner.content, winner.side, winner.score, winner.finished,
-                        [c.record() for c in candidates])
-            traj.steps.append(step)
-            traj.tokens["committed"] += len(winner.tokens)
-            if "base" in self.sides:
-                base = self.sides["base"]
-                peak = base.budget.peak_cells if base.budget else 0  # most cells any base sequence held
-                traj.base_cells.append({"committed": base.resident_cells(), "max_candidate": peak})
-            if on_step:
-                on_step(step)
-            if winner.finished == "eos":
-                traj.stop = "eos"
-                break
-            if traj.tokens["committed"] >= cfg.max_tokens:
-                traj.stop = "max_tokens"
-                break
-        else:
-            traj.stop = "max_steps"
-        traj.answer = last_boxed(traj.text)
-        if budget:  # the observation-window fallbacks must stay 0: see BudgetedSequences
-            traj.evictions = {"evictions": budget.evictions - evictions_before[0],
-                              "fallback_evictions": budget.fallback_evictions - evictions_before[1]}
-        for name, gen in self.sides.items():
-            traj.tokens[name] = gen.tokens_generated
-        in_llama = {name: g.llama_seconds - llama_before[name] for name, g in self.sides.items()}
-        total = time.perf_counter() - started
-        traj.timings = {**{f"llama_{k}": round(v, 4) for k, v in in_llama.items()}, "prm": round(prm_seconds, 4),
-                        "orchestration": round(total - sum(in_llama.values()) - prm_seconds, 4), "total": round(total, 4)}
-        return traj
+        prm_before = self.prm_seconds
+        for s in flying:
+            s.drafts = []
+        for side_index, (name, gen) in enumerate(self.sides.items()):
+            requests = [Request(s.slot, (s.key, s.round, side_index), s.tail) for s in flying]
+            drafts = gen.propose(requests, self.detector if name == "base" else None)
+            for s in flying:
+                s.drafts += drafts[s.slot]
+        self.score([s for s in flying if sum(not c.killed for c in s.drafts) > 1])
+        finished = [s for s in flying if self.advance(s, on_step)]
+        costs = {f"llama_{name}": g.llama_seconds - llama_before[name] for name, g in self.sides.items()}
+        costs["prm"] = self.prm_seconds - prm_before
+        costs["total"] = time.perf_counter() - started
+        for s in flying:  # a round's work is shared: each problem in it is charged an equal part
+            s.charge({k: v / len(flying) for k, v in costs.items()})
+        return finished
 
-    def commit(self, winner: Draft) -> None:
+    def score(self, flying: list[Solving]) -> None:
+        """The PRM scores the survivors of every problem that has a choice, in one call; a text that several
+        candidates share is scored once, so equal steps get equal scores."""
+        if not self.prm or not flying:
+            return
+        t0 = time.perf_counter()
+        texts = {s.slot: list(dict.fromkeys(c.content for c in s.drafts if not c.killed)) for s in flying}
+        rewards = self.prm.score_many(texts)
+        for s in flying:
+            by_text = dict(zip(texts[s.slot], rewards[s.slot]))
+            for cand in (c for c in s.drafts if not c.killed):
+                cand.score = float(by_text[cand.content])
+        self.prm_seconds += time.perf_counter() - t0
+
+    def advance(self, s: Solving, on_step) -> bool:
+        """Commit the problem's winner of this round; True when the problem is finished."""
+        traj = s.trajectory
+        survivors = [c for c in s.drafts if not c.killed]
+        if not survivors:
+            traj.stop = "all_killed"
+            return True
+        winner = choose(survivors, self.config, s.key, s.round)
+        step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts])
+        traj.steps.append(step)
+        traj.tokens["committed"] += len(winner.tokens)
+        s.round += 1
+        if winner.finished == "eos":
+            traj.stop = "eos"
+        elif traj.tokens["committed"] >= self.config.max_tokens:
+            traj.stop = "max_tokens"
+        elif s.round >= self.config.max_steps:
+            traj.stop = "max_steps"
+        else:  # it goes on from the winner
+            self.commit(s.slot, winner)
+            if self.prm:
+                self.prm.commit(winner.content, s.slot)
+            s.tail = (s.tail + bytes(winner.text))[-self.config.detector.text_window:]
+        if "base" in self.sides:
+            base = self.sides["base"]
+            traj.base_cells.append({"committed": base.resident_cells(s.slot),
+                                    "max_candidate": base.peak_candidate_cells(s.slot)})
+        if on_step:
+            on_step(s.item, step)
+        return bool(traj.stop)
+
+    def end(self, s: Solving) -> tuple[object, Trajectory, str | None]:
+        """Close the problem's record and free its slot."""
+        traj = s.trajectory
+        traj.answer = last_boxed(traj.text)
+        if "base" in self.sides and self.sides["base"].budget:  # the observation-window fallbacks must stay 0
+            evictions, fallbacks = self.sides["base"].evictions(s.slot)
+            traj.evictions = {"evictions": evictions, "fallback_evictions": fallbacks}
+        for name, gen in self.sides.items():
+            traj.tokens[name] = gen.tokens_generated[s.slot]
+            gen.finish(s.slot)
+        if self.prm:
+            self.prm.finish(s.slot)
+        if s.error:
+            traj.stop = "error"
+        seconds = {k: round(v, 4) for k, v in s.seconds.items() if k != "total"}
+        total = s.seconds.get("total", 0.0)
+        seconds["orchestration"] = round(total - sum(v for k, v in s.seconds.items() if k != "total"), 4)
+        traj.timings = {**seconds, "total": round(total, 4), "wall": round(time.perf_counter() - s.started, 4)}
+        return s.item, traj, s.error
+
+    def commit(self, slot: int, winner: Draft) -> None:
         """Every side continues from the winner: its own side keeps the sequence, the others encode the text."""
         for name, gen in self.sides.items():
             if name == winner.side:
-                gen.commit_own(winner)
+                gen.commit_own(slot, winner)
             elif self.same_vocab:
-                gen.commit_foreign([t for t in winner.tokens if not gen.model.is_eog(t)])
+                gen.commit_foreign(slot, [t for t in winner.tokens if not gen.model.is_eog(t)])
             else:
-                gen.commit_foreign(gen.model.tokenize(winner.content, special=False))
+                gen.commit_foreign(slot, gen.model.tokenize(winner.content, special=False))
+
+    def peak_kv_bytes(self) -> dict[str, int]:
+        """The most KV bytes each context held at the end of a round so far (base, helper, PRM)."""
+        out = {name: gen.peak_used_cells * gen.ctx.kv_bytes_per_cell for name, gen in self.sides.items()}
+        if self.prm:
+            out["prm"] = self.prm.peak_cells * kv_bytes_per_cell(self.prm.model, self.prm.params.kv_type)
+        return out

@@ -20,6 +20,7 @@ from .model import Model
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+KV_ELEMENT_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 values in 34 bytes
 # llama.cpp rounds n_ctx up to a multiple of this (docs/design.md §3)
 N_CTX_PAD = 256
 
@@ -48,6 +49,12 @@ def physical_cores() -> int:
         except OSError:
             cores.add(str(cpu))
     return len(cores) or 1
+
+
+def kv_bytes_per_cell(model: Model, kv_type: str) -> int:
+    """K and V of one position in every layer: 2 · L · h_kv · d_head · bytes per element."""
+    head_dim = model.n_embd // model.n_head
+    return int(2 * model.n_layer * model.n_head_kv * head_dim * KV_ELEMENT_BYTES[kv_type])
 
 
 # llama.cpp's CPU flash-attention kernel handles multi-sequence batches poorly (batched decode of 8
@@ -199,6 +206,15 @@ class Context:
         lib.llama_kvr_seq_cells(self.memory, seq_id, cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
                                 pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
         return cells, pos
+
+    def used_cells(self, seq_ids) -> int:
+        """Cells held by any of seq_ids (forks share cells, so this is what they occupy together)."""
+        held = [self.cells(int(s))[0] for s in seq_ids]
+        return len(np.unique(np.concatenate(held))) if held else 0
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        return kv_bytes_per_cell(self.model, self.params.kv_type)
 
     def n_cells(self, seq_id: int) -> int:
         """How many cells seq_id can attend to."""

@@ -72,6 +72,14 @@ class Model:
         return llama().llama_model_n_layer(self.handle)
 
     @property
+    def n_head(self) -> int:
+        return llama().llama_model_n_head(self.handle)
+
+    @property
+    def n_head_kv(self) -> int:
+        return llama().llama_model_n_head_kv(self.handle)
+
+    @property
     def n_ctx_train(self) -> int:
         return llama().llama_model_n_ctx_train(self.handle)
 

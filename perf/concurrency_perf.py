@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Problems per minute at K problems at once vs one at a time, side by side in one run, and the engine's
+share of wall time outside llama.cpp and the PRM.
+
+Solves the same problems at each concurrency in --ks (toy preset: held-out toy problems, KV-Rescue, N = 8,
+budget 64; --preset coder: GSM8K), then prints per K: problems/min from wall clock, accuracy, seconds in
+llama.cpp (per model), in the PRM and outside both (the engine's share; goal <= 10% at K = 16), and the
+ratio of the second K's problems/min to the first's (goal >= 3x for K = 8 vs 1).
+
+Usage: python3 perf/concurrency_perf.py [--preset toy|coder] [--problems 16] [--ks 1,8,16] [--mode kvrescue]
+       [-n 8] [--budget 64] [--max-tokens T] [--prm PRM.gguf]
+(--preset coder has no PRM yet: give --prm, or use --mode bon -n 1.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvrescue_local.bench.datasets import load_dataset
+from kvrescue_local.compose import open_models, select_models
+from kvrescue_local.rescue import Mode, Rescue, longest_prompt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="toy")
+    parser.add_argument("--problems", type=int, default=16)
+    parser.add_argument("--ks", default="1,8,16", help="concurrencies; the ratio compares the second to the first")
+    parser.add_argument("--mode", default="kvrescue")
+    parser.add_argument("-n", type=int, default=8)
+    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, help="trajectory cap [default: the preset's]")
+    parser.add_argument("--prm", help="a PRM GGUF (the coder preset has none yet)")
+    args = parser.parse_args()
+    mode = Mode.parse(args.mode)
+    options = {"preset": args.preset, "base": None, "helper": None, "prm": args.prm}
+    selection = select_models(options, mode.uses_base, mode.uses_helper, needs_prm=mode.sides * args.n > 1)
+    overrides = {"mode": mode, "n": args.n, "kv": {"budget": args.budget}}
+    if args.max_tokens:
+        overrides["max_tokens"] = args.max_tokens
+    config = selection.config({}, **overrides)
+    dataset = load_dataset("toy" if args.preset == "toy" else "gsm8k", limit=args.problems)
+    texts = [p.problem for p in dataset.problems]
+    config, models = open_models(selection, config, mode.uses_base, mode.uses_helper, config.candidates_per_round, texts)
+    prompt_tokens = longest_prompt(config, [models.base, models.helper], texts)
+    print(f"preset {args.preset}: {mode} N={args.n} budget {args.budget}, {len(texts)} problems, "
+          f"max {config.max_tokens} tokens")
+    print(f"{'K':>3s} {'prob/min':>9s} {'acc %':>6s} {'wall s':>8s} {'llama base':>11s} {'llama helper':>13s} "
+          f"{'PRM':>7s} {'outside':>8s}")
+    speeds = {}
+    for k in [int(x) for x in args.ks.split(",")]:
+        engine = Rescue(config, models.base, models.helper, models.prm, prompt_tokens_max=prompt_tokens, concurrency=k)
+        llama = {name: g.llama_seconds for name, g in engine.sides.items()}
+        started = time.perf_counter()
+        correct = sum(dataset.grade(p.answer, t.answer) for p, t, _ in engine.run(dataset.problems, text=lambda p: p.problem))
+        wall = time.perf_counter() - started
+        llama = {name: g.llama_seconds - llama[name] for name, g in engine.sides.items()}
+        outside = wall - sum(llama.values()) - engine.prm_seconds
+        speeds[k] = 60 * len(texts) / wall
+        print(f"{k:3d} {speeds[k]:9.2f} {100 * correct / len(texts):6.1f} {wall:8.2f} {llama.get('base', 0):11.2f} "
+              f"{llama.get('helper', 0):13.2f} {engine.prm_seconds:7.2f} {100 * outside / wall:7.1f}%")
+        del engine  # its contexts go before the next K's are made
+    first, second, *_ = list(speeds) + [None]
+    if second is not None:
+        print(f"K = {second} solves {speeds[second] / speeds[first]:.2f}x the problems per minute of K = {first} "
+              "(goal >= 3x for 8 vs 1); outside = the engine's share of wall time (goal <= 10% at K = 16)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The batched engine: K problems at once on the toy and tiny models through llama.cpp."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.cli import main
+from kvrescue_local.compose import preset_config
+from kvrescue_local.errors import KVRescueError
+from kvrescue_local.presets import load_preset
+from kvrescue_local.prm import PRM, PRMParams
+from kvrescue_local.rescue import MODES, Rescue, longest_prompt
+from kvrescue_local.runtime import Model
+from kvrescue_local.toy.task import held_out
+from test_bench import bench_args
+
+
+@pytest.fixture(scope="module")
+def toy():
+    preset = load_preset("toy")
+    return preset, Model(preset.base), Model(preset.helper)
+
+
+def solve_all(toy, config, problems, concurrency):
+    preset, base, helper = toy
+    prm = PRM(preset.prm, PRMParams(n_ctx=config.prm_context(400), max_candidates=config.candidates_per_round,
+                                    kv_type=config.kv_type)) if config.candidates_per_round > 1 else None
+    engine = Rescue(config, base, helper, prm, prompt_tokens_max=longest_prompt(config, [base, helper], problems),
+                    concurrency=concurrency)
+    finished = [(problem, trajectory) for problem, trajectory, error in engine.run(problems) if not error]
+    return dict(finished), [problem for problem, _ in finished]
+
+
+def outcome(trajectory):
+    """What a trajectory is, scores aside (a PRM score moves by ~1e-4 between batch shapes)."""
+    steps = [(s.text, s.source, s.finished, [(c.side, c.text, c.finished) for c in s.candidates]) for s in trajectory.steps]
+    return steps, trajectory.answer, trajectory.stop, trajectory.evictions, trajectory.base_cells, trajectory.tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_problems_trajectory_does_not_depend_on_what_shares_its_batch(toy, mode):
+    """F32 KV and greedy sampling: K = 1 and K = 8 (10 problems, so finished slots take new ones) give the
+    same trajectories, evictions included."""
+    config = preset_config(toy[0], mode=mode, n=2, kv={"budget": 48}, kv_type="f32", temperature=0.0)
+    problems = [p.text for p in held_out(10)]
+    alone, order_alone = solve_all(toy, config, problems, 1)
+    together, order_together = solve_all(toy, config, problems, 8)
+    assert order_alone == problems and sorted(order_together) == sorted(problems)
+    assert order_together != problems, "problems finish in their own time, not in queue order"
+    for problem in problems:
+        assert outcome(together[problem]) == outcome(alone[problem])
+        for a, b in zip(alone[problem].steps, together[problem].steps):
+            assert (a.score, b.score) == (None, None) or b.score == pytest.approx(a.score, abs=1e-3), (a.score, b.score)
+    if mode in ("bon", "kvrescue"):
+        assert all(t.evictions["evictions"] > 0 and t.evictions["fallback_evictions"] == 0 for t in alone.values())
+
+
+def test_sampled_trajectories_come_from_the_problem_not_the_batch(toy):
+    """Seeds are derived from the problem's text: sampling at temperature 1, a problem solved alone with `solve`
+    and inside a batch of 4 ends the same, and a different seed changes it."""
+    config = preset_config(toy[0], mode="kvrescue", n=2, kv={"budget": 48}, kv_type="f32")
+    problems = [p.text for p in held_out(5)]
+    batched, _ = solve_all(toy, config, problems, 4)
+    preset, base, helper = toy
+    prm = PRM(preset.prm, PRMParams(n_ctx=config.prm_context(400), max_candidates=4, kv_type="f32"))
+    engine = Rescue(config, base, helper, prm, prompt_tokens_max=longest_prompt(config, [base, helper], problems))
+    alone = engine.solve(problems[3])
+    assert outcome(alone) == outcome(batched[problems[3]])
+    other = Rescue(config.with_overrides({"seed": 9}), base, helper, prm,
+                   prompt_tokens_max=longest_prompt(config, [base, helper], problems)).solve(problems[3])
+    assert other.text != alone.text
+
+
+def test_concurrency_beyond_sequences_or_memory_is_refused_naming_the_largest(base_path, helper_path, tiny_prm_path,
+                                                                              tmp_path):
+    from kvrescue_local.rescue import RescueConfig
+
+    with pytest.raises(KVRescueError, match="concurrency 29 does not fit.*use --concurrency 1 to 28"):
+        RescueConfig(n=8, mode="bon").check_concurrency(29)
+    args = ["bench", "run", "--dataset", "gsm8k", "--limit", "2", "--modes", "kvrescue", "--ns", "2", "--budgets", "32",
+            "--buffer", "16", "--max-tokens", "40", "--base", str(base_path), "--helper", str(helper_path),
+            "--prm", str(tmp_path / "x.gguf"), "--results", str(tmp_path / "r.jsonl")]
+    args[args.index("--prm") + 1] = str(tiny_prm_path)
+    small = CliRunner().invoke(main, args + ["--memory", "3M", "--concurrency", "8"])
+    assert small.exit_code != 0
+    assert small.output.startswith("Error: --concurrency 8 does not fit: its KV caches take")
+    largest = int(small.output.rsplit("the largest concurrency that fits is ", 1)[1].split()[0])
+    assert 1 <= largest < 8
+    fits = CliRunner().invoke(main, args + ["--memory", "3M", "--concurrency", str(largest)])
+    assert fits.exit_code == 0, fits.output
+    assert f"concurrency {largest} (at most {largest} fit" in fits.output
+    none = CliRunner().invoke(main, args + ["--memory", "100K"])
+    assert none.exit_code != 0 and "not even one problem fits" in none.output and "raise --memory" in none.output
+
+
+def start_and_stop(args, results, rows, how):
+    proc = subprocess.Popen([sys.executable, "-m", "kvrescue_local", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not results.exists() or len(results.read_text().splitlines()) < rows):
+        time.sleep(0.05)
+    proc.send_signal(how)
+    _, err = proc.communicate()
+    return proc.returncode, err.decode()
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
+def test_a_stopped_concurrent_sweep_resumes_without_losing_or_duplicating_a_row(base_path, helper_path, tiny_prm_path,
+                                                                                  tmp_path, how):
+    results = tmp_path / "results.jsonl"
+    args = bench_args(base_path, helper_path, tiny_prm_path, results, "--concurrency", "8")
+    code, err = start_and_stop(args, results, 5, how)
+    kept = read_rows(results)
+    assert 5 <= len(kept) < 40
+    if how == signal.SIGINT:  # Ctrl-C: every finished problem is in the file, and it says so
+        assert code == 130 and f"interrupted: {len(kept)} results kept" in err
+    resumed = CliRunner().invoke(main, args + ["--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    rows = read_rows(results)
+    keys = [(r["dataset"], r["id"], r["config_key"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 40 and rows[:len(kept)] == kept
+    assert {r["engine"]["concurrency"] for r in rows} == {8} and len({r["engine"]["run"] for r in rows}) == 2
+    # the concurrency is no setting: a resume at another K continues the same file
+    other = CliRunner().invoke(main, args[:-2] + ["--concurrency", "2", "--resume"])
+    assert other.exit_code == 0 and "0 new results" in other.output
+
+
+def test_table3_reports_problems_per_minute_and_kv_bytes_per_concurrency(base_path, helper_path, tiny_prm_path,
+                                                                          tmp_path):
+    files = []
+    for k in (1, 3):
+        results = tmp_path / f"k{k}.jsonl"
+        args = bench_args(base_path, helper_path, tiny_prm_path, results, "--concurrency", str(k))
+        args[args.index("--limit") + 1] = "6"
+        args[args.index("--modes") + 1] = "full,bon,kvrescue"
+        run = CliRunner().invoke(main, args)
+        assert run.exit_code == 0, run.output
+        files.append(str(results))
+    rows = [json.loads(line) for f in files for line in open(f)]
+    assert all(sum(r["engine"]["kv_peak_bytes"].values()) > 0 for r in rows)
+    report = CliRunner().invoke(main, ["report", *files])
+    assert report.exit_code == 0, report.output
+    assert "Table 3" in report.output and "memory-capped" in report.output
+    table2 = report.output.split("Table 1")[0]
+    assert " 6 " in table2 and " 12 " not in table2, "Table 2 counts each problem once, whatever K ran it"
+    table3 = report.output.split("Table 3")[1]
+    for mode in ("full", "bon", "kvrescue"):
+        assert sum(line.split()[:1] == [mode] for line in table3.splitlines()) >= 2, f"{mode} at K = 1 and 3"
