@@ -21,7 +21,7 @@ from kvrescue_local.prmtrain.fit import auc, fit_head, to_head
 from kvrescue_local.prmtrain.pipeline import (Rollouts, evaluate, features, labelled_rows, open_backbone,
                                               run_rollouts, train)
 from kvrescue_local.rescue import Candidate, Rescue, RescueConfig, Trajectory
-from kvrescue_local.rescue.loop import choose
+from kvrescue_local.rescue.loop import choose, problem_key
 
 from test_rescue import PROBLEM, config, without_timings
 
@@ -178,9 +178,9 @@ def test_random_choice_needs_no_prm_is_reproducible_and_recorded(base_model, hel
     assert all(s.score is None for s in first.steps)
     assert first.config["choice"] == "random"
     drafts = list(range(4))
-    picks = {choose(drafts, cfg, f"problem {p}", r) for p in range(5) for r in range(5)}
+    picks = {choose(drafts, cfg, problem_key(f"problem {p}"), r) for p in range(5) for r in range(5)}
     assert picks == set(drafts), "every survivor gets drawn"
-    assert choose(drafts, cfg, "x", 3) == choose(drafts, cfg, "x", 3)
+    assert choose(drafts, cfg, problem_key("x"), 3) == choose(drafts, cfg, problem_key("x"), 3)
     with pytest.raises(KVRescueError, match="unknown choice 'best'"):
         RescueConfig(choice="best")
 
