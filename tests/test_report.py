@@ -161,17 +161,24 @@ def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
     assert "kvrescue b64 n8 streaming: KV-Rescue recovers 50% of the accuracy eviction costs, with 1.00x" in text
 
 
-def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_solved(tmp_path):
+def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_ran(tmp_path):
     rows = (synthetic("full", 1, 0, [True, True, True, False])
             + synthetic("bon", 1, 64, [True, False, False, False])
             + synthetic("helper", 1, 0, [False, True, False]))  # q3 not run by the helper: left out
+    settings = {"prompt_sha256": "p", "settings": {"max_tokens": 768, "seed": 0}}
+    for row in rows:  # as a sweep records them: the helper's rows name other models than the base's
+        model = "helper.gguf" if row["config"]["mode"] == "helper" else "base.gguf"
+        row["setup"] = {"models": {"m": {"file": model}}, **settings}
     (oracle,) = oracles(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
     assert (oracle.problems, oracle.bon_pass1, oracle.full_pass1) == (3, pytest.approx(100 / 3), 100.0)
     assert oracle.oracle_pass1 == pytest.approx(200 / 3) and oracle.gap_closed == pytest.approx(50.0)
-    assert ("oracle pick, bon b64 n1 streaming or helper n1, on the 3 problems both solved: 66.7% (evicted 33.3%, "
+    assert ("oracle pick, bon b64 n1 streaming or helper n1, on the 3 problems both ran: 66.7% (evicted 33.3%, "
             "helper 33.3%, full KV 100.0%): it closes 50% of the gap eviction opens") in render(load_results(
                 write_jsonl(tmp_path / "r.jsonl", rows)))
     assert oracles(load_results(write_jsonl(tmp_path / "s.jsonl", SYNTHETIC))) == [], "no helper row: no oracle"
+    for row in rows[-3:]:
+        row["setup"] = {**row["setup"], "settings": {"max_tokens": 512, "seed": 0}}
+    assert oracles(load_results(write_jsonl(tmp_path / "t.jsonl", rows))) == [], "other settings: not comparable"
 
 
 def test_degeneration_is_recomputed_from_the_steps_and_the_step_cap(tmp_path):

@@ -115,6 +115,12 @@ def setup_label(row: dict) -> str:
     return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
 
 
+def settings_label(row: dict) -> str:
+    """setup_label without the models: what rows of different models (base, helper) must share to be compared."""
+    setup = row.get("setup")
+    return UNRECORDED if setup is None else setup_label({"setup": {**setup, "models": {}}})
+
+
 def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
     cfg = row["config"]
     mode = str(cfg["mode"])
@@ -283,8 +289,9 @@ def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
     out = []
     for bon in (k for k in groups if k.mode == Mode.BON):
         def partner(mode: Mode) -> ConfigKey | None:
+            # the helper runs other models than the base, so partners share the settings and prompt, not the models
             return next((k for k in groups if k.mode == mode and k.dataset == bon.dataset and k.n == bon.n
-                         and k.setup == bon.setup), None)
+                         and settings_label(groups[k][0]) == settings_label(groups[bon][0])), None)
 
         helper, full = partner(Mode.HELPER), partner(Mode.FULL)
         if helper is None:

@@ -191,7 +191,7 @@ def oracle_notes(rows: list[dict], pool_setups: bool) -> list[str]:
     for o in oracles(rows, pool_setups):
         full = "" if o.full_pass1 is None else f", full KV {fmt(o.full_pass1)}%"
         gap = "" if o.gap_closed is None else f": it closes {o.gap_closed:.0f}% of the gap eviction opens"
-        notes.append(f"oracle pick, {o.bon.label} or helper n{o.bon.n}, on the {o.problems} problems both solved: "
+        notes.append(f"oracle pick, {o.bon.label} or helper n{o.bon.n}, on the {o.problems} problems both ran: "
                      f"{fmt(o.oracle_pass1)}% (evicted {fmt(o.bon_pass1)}%, helper {fmt(o.helper_pass1)}%{full}){gap}")
     return notes
 
