@@ -1,12 +1,19 @@
 """Tiny qwen2 GGUF models, written once per test session from fixed seeds."""
 
 import dataclasses
+import signal
 
 import numpy as np
 import pytest
 
 from kvrescue_local.gguf_export import TINY_BASE, TINY_HELPER, random_qwen2_weights, write_qwen2_gguf, write_tiny_model
 from kvrescue_local.runtime import Model
+
+# A shell that starts a job in the background (`.ci/run &`) makes it ignore SIGINT, every process it execs
+# inherits that, and a Python started so never turns Ctrl-C into KeyboardInterrupt: the tests that press
+# Ctrl-C on a child would see it ignored. A handler (unlike SIG_IGN) is reset to the default on exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
