@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .metrics import Summary, config_key, oracles, setup_notes, summaries
+from .metrics import ConfigKey, Summary, config_key, oracles, setup_notes, summaries
 from .throughput import Throughput, same_axes, throughputs
 
 MIB = 1024 * 1024

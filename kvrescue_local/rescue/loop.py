@@ -57,11 +57,11 @@ def problem_key(problem: str) -> int:
     return int.from_bytes(hashlib.sha256(problem.encode()).digest()[:4], "little")
 
 
-def choose(survivors: list[Draft], config: RescueConfig, problem_key: int, round_index: int) -> Draft:
+def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: int) -> Draft:
     """The round's winner: the PRM's favourite (a lone survivor is unscored), or with choice "random" one drawn
-    by a seed of the run's seed, the problem and the round (reproducible, and not the same draw on every problem)."""
+    by a seed of the run's seed, the problem's key and the round (reproducible, and not the same draw on every problem)."""
     if config.choice == "random":
-        rng = np.random.default_rng([config.seed, problem_key, round_index])
+        rng = np.random.default_rng([config.seed, key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
     return max(survivors, key=lambda c: c.score if c.score is not None else 0.0)
 
@@ -172,7 +172,6 @@ class Rescue:
 
     def round(self, flying: list[Solving], on_step) -> list[Solving]:
         """One round of every problem in flight; returns those that finished."""
-        cfg = self.config
         started = time.perf_counter()
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
         prm_before = self.prm_seconds
