@@ -10,7 +10,7 @@ import pytest
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.runtime import Context, ContextParams
 from kvrescue_local.runtime.attention import (GraphCapture, cell_scores, copy_scores, enable_scores, key_rows,
-                                              n_embd_k_gqa, reset_scores)
+                                              n_embd_k_gqa, observe_scores, reset_scores)
 
 PROMPT = "<|im_start|>user\nCompute a+b where a=17 and b=25.<|im_end|>\n<|im_start|>assistant\n"
 EXACT = dict(kv_type="f32", flash_attn="off")
@@ -96,6 +96,33 @@ def test_scores_match_the_softmax_of_llama_cpp_across_decodes_and_eviction(base_
     for il in range(base_model.n_layer):
         assert relative_error(cell_scores(ctx, 0, il), ref.scores[il, 0]) <= 1e-5
     assert relative_error(cell_scores(ctx, 0), ref.scores[:, 0].sum(axis=0)) <= 1e-5
+
+
+def test_several_rows_of_several_sequences_in_one_batch(base_model):
+    """A batch where two sequences have several observation rows each (the one-hot path), then one
+    where each has one (the gather path): each column matches the reference on the cells it holds,
+    and the idle third sequence's column does not move."""
+    capture = Capture()
+    ctx = capture.context(base_model, ContextParams(n_ctx=256, n_seq_max=3, **EXACT))
+    enable_scores(ctx, N_OBS)
+    ref = Reference(ctx, base_model.n_layer)
+    prompt = base_model.tokenize(PROMPT)
+    decode_and_track(ctx, ref, capture, prompt, np.zeros(len(prompt)))
+    for seq in (1, 2):
+        ctx.fork(0, seq)
+        copy_scores(ctx, 0, seq)
+        ref.scores[:, seq] = ref.scores[:, 0]
+    idle = cell_scores(ctx, 2)
+    decode_and_track(ctx, ref, capture, list(b"abcdefgh"), [0, 1, 0, 1, 0, 1, 1, 1])
+    decode_and_track(ctx, ref, capture, list(b"xy"), [1, 0])
+
+    assert not capture.skipped
+    for seq in (0, 1):
+        cells = ctx.cells(seq)[0]
+        for il in range(base_model.n_layer):
+            assert relative_error(cell_scores(ctx, seq, il)[cells], ref.scores[il, seq, cells]) <= 1e-5, (seq, il)
+    held = ctx.cells(2)[0]
+    np.testing.assert_array_equal(cell_scores(ctx, 2)[held], idle[held])
 
 
 def test_flash_attention_on_and_off_agree(base_model):
@@ -194,6 +221,28 @@ def test_reset_copy_and_disable(base_model):
     np.testing.assert_array_equal(cell_scores(ctx, 0), zero)
     ctx.step([0], [ord("v")])
     assert cell_scores(ctx, 0, 0).sum() == pytest.approx(4, rel=1e-5)
+
+
+def test_a_sequence_not_observed_adds_nothing(base_model):
+    ctx = Context(base_model, ContextParams(n_ctx=256, n_seq_max=2, **EXACT))
+    enable_scores(ctx, N_OBS)
+    ctx.prefill(0, base_model.tokenize(PROMPT))
+    ctx.fork(0, 1)
+    copy_scores(ctx, 0, 1)
+    observe_scores(ctx, 1, False)
+    before = [cell_scores(ctx, seq, 0) for seq in (0, 1)]
+    ctx.step([0, 1], [ord("x"), ord("y")])
+    held = ctx.cells(1)[0]
+    np.testing.assert_array_equal(cell_scores(ctx, 1, 0)[held], before[1][held])
+    assert cell_scores(ctx, 0, 0).sum() == pytest.approx(before[0].sum() + 4, rel=1e-5)  # n_head per query
+
+    observe_scores(ctx, -1, False)
+    ctx.step([0, 1], [ord("x"), ord("y")])  # nobody observed: the graph has no accumulation at all
+    observe_scores(ctx, 1, True)
+    reset_scores(ctx, 1)
+    ctx.step([0, 1], [ord("z"), ord("w")])
+    for layer in range(base_model.n_layer):  # one observed query: n_head (4) per layer
+        assert cell_scores(ctx, 1, layer).sum() == pytest.approx(4, rel=1e-5)
 
 
 def test_key_rows_are_the_post_rope_keys(base_model):

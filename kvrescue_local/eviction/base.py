@@ -30,9 +30,14 @@ class Policy:
     a KVBudget's n_sink overrides it.
     """
 
-    needs_attention = False
+    needs_attention = False  # the attention of the observation window (the last `window` queries)
+    needs_cumulative_attention = False  # the attention since each entry arrived (every query observed)
     needs_keys = False
     n_sink = 0
+
+    @property
+    def reads_attention(self) -> bool:
+        return self.needs_attention or self.needs_cumulative_attention
 
     def score(self, inputs: EvictionInputs) -> np.ndarray:
         raise NotImplementedError

@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import KVRescueError
 from ..runtime import Context
-from ..runtime.attention import cell_scores, copy_scores, enable_scores, key_rows, n_head_kv
+from ..runtime.attention import (cell_scores, copy_scores, enable_scores, key_rows, n_head_kv, observe_scores,
+                                 reset_scores)
 from .base import EvictionInputs, Policy, make_policy
 
 
@@ -108,23 +109,23 @@ class Track:
     n_prompt: int = 0  # its prompt's tokens (compressed once read if over the budget; kept if protected)
     taken: int = 0  # tokens decoded into it since it was empty: its clock
     cells: int = 0  # resident cells when last seen
-    # clock -> (positions, [n_layer, n] scores) at that clock
-    snapshots: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    observed_from: int | None = None  # the clock when its observation window opened; None while closed
 
     def copy(self) -> Track:
-        return Track(self.n_prompt, self.taken, self.cells, dict(self.snapshots))
+        return Track(self.n_prompt, self.taken, self.cells, self.observed_from)
 
 
 @dataclass
 class BudgetedSequences:
     """Applies a KVBudget to the sequences of one context; call `enforce` after every decode of a sequence.
 
-    Attention policies read the patch's per-sequence, per-layer scores: a cell's score is the
-    attention it received since its token was written, from the last `window` queries of each
-    decode. An eviction at clock t ranks by that minus a snapshot taken at clock t - window, so
-    by exactly the last `window` queries. The snapshot exists when a decode ended at t - window:
-    single-token decodes always do, and `next_chunk` cuts longer ones there. An eviction that finds
-    none falls back to attention since arrival and is counted in `fallback_evictions`.
+    Attention policies read the patch's per-sequence, per-layer scores. A window policy (SnapKV, R-KV)
+    ranks by the attention of the last `window` queries before an eviction: a sequence is observed
+    only from `window` tokens before it reaches the limit (its scores reset then), so the other decodes
+    pay nothing for the scores, and a decode ends at every window start (`next_chunk`) so the window
+    holds exactly those queries. An eviction whose window holds fewer (a decode that crossed its
+    start) is counted in `fallback_evictions`. H2O reads attention since each entry arrived: every
+    query is observed.
     """
 
     ctx: Context
@@ -132,7 +133,7 @@ class BudgetedSequences:
     n_prompt: int = 0  # the prompt of a sequence not given its own by `start`
     policy: Policy = field(init=False)
     evictions: int = 0
-    fallback_evictions: int = 0  # evictions of an attention policy that had no observation-window snapshot
+    fallback_evictions: int = 0  # evictions of a window policy whose window held fewer than `window` queries
     # per sequence id, kept across drops until the caller clears them: [evictions, fallback evictions]
     counts: dict[int, list[int]] = field(default_factory=dict)
     peak_cells: dict[int, int] = field(default_factory=dict)  # most cells each sequence held when checked
@@ -144,22 +145,35 @@ class BudgetedSequences:
         if not self.ctx.model.supports_partial_removal:
             raise KVRescueError(f"{self.ctx.model.path.name} is a recurrent or hybrid model: its memory cannot "
                                 "drop single positions, so KV eviction needs a pure-attention model")
-        if self.policy.needs_attention:
+        if self.policy.reads_attention:
             enable_scores(self.ctx, self.config.window)
+        if self.windowed:
+            observe_scores(self.ctx, -1, False)
+
+    @property
+    def windowed(self) -> bool:
+        """Scores observed only in each sequence's observation window."""
+        return self.policy.needs_attention and not self.policy.needs_cumulative_attention
 
     def start(self, seq_id: int, n_prompt: int) -> None:
         """seq_id (empty) is about to read a prompt of n_prompt tokens."""
         self.tracks[seq_id] = Track(n_prompt)
+        if self.windowed:
+            observe_scores(self.ctx, seq_id, False)
 
     def fork(self, src: int, dst: int) -> None:
         self.ctx.fork(src, dst)
-        if self.policy.needs_attention:
+        if self.policy.reads_attention:
             copy_scores(self.ctx, src, dst)
         self.tracks[dst] = self.track(src).copy()
+        if self.windowed:
+            observe_scores(self.ctx, dst, self.tracks[dst].observed_from is not None)
 
     def drop(self, seq_id: int) -> None:
         self.ctx.drop(seq_id)
         self.tracks.pop(seq_id, None)
+        if self.windowed:
+            observe_scores(self.ctx, seq_id, False)
 
     def track(self, seq_id: int) -> Track:
         """seq_id's track, its clock advanced by the tokens decoded since it was last seen."""
@@ -174,33 +188,46 @@ class BudgetedSequences:
 
     def next_chunk(self, seq_id: int, n_tokens: int, most: int) -> int:
         """How many of n_tokens to decode into seq_id next (at most `most`): a decode ends at every
-        eviction point and at every start of an observation window, so that a snapshot is taken there."""
+        eviction point and at every start of an observation window."""
         track = self.track(seq_id)
         limit, window = self.config.limit, self.config.window
         ahead = [limit - track.cells]
         if self.compresses_prompt(track):
             ahead.append(track.n_prompt - track.taken)
-        if self.policy.needs_attention:
+        if self.windowed:
             ahead.append(limit - window - track.cells)
             if self.compresses_prompt(track):
                 ahead.append(track.n_prompt - window - track.taken)
         return min([n_tokens, most] + [a for a in ahead if a > 0])
 
+    def in_window(self, track: Track) -> bool:
+        """Whether the next queries of the sequence are among the last `window` before an eviction."""
+        window = self.config.window
+        before_prompt_eviction = self.compresses_prompt(track) and track.n_prompt - window <= track.taken < track.n_prompt
+        return track.cells >= self.config.limit - window or before_prompt_eviction
+
     def enforce(self, seq_id: int) -> bool:
         """Evict seq_id back to the budget if it reached budget + buffer (or just read a prompt longer than
-        the budget); True if it evicted."""
+        the budget); True if it evicted. Opens or closes its observation window."""
         track = self.track(seq_id)
         self.peak_cells[seq_id] = max(self.peak_cells.get(seq_id, 0), track.cells)
         prompt_read = self.compresses_prompt(track) and track.taken == track.n_prompt and track.cells > self.config.budget
         evicted = track.cells >= self.config.limit or prompt_read
         if evicted:
             self.evict(seq_id, track)
-        window_starts = (track.cells == self.config.limit - self.config.window
-                         or (self.compresses_prompt(track) and track.taken == track.n_prompt - self.config.window))
-        if self.policy.needs_attention and window_starts:
-            cells, positions = self.ctx.cells(seq_id)
-            track.snapshots[track.taken] = (positions, self.layer_scores(seq_id, cells))
+        if self.windowed:
+            self.observe(seq_id, track)
         return evicted
+
+    def observe(self, seq_id: int, track: Track) -> None:
+        opened = self.in_window(track)
+        if opened and track.observed_from is None:
+            reset_scores(self.ctx, seq_id)
+            observe_scores(self.ctx, seq_id, True)
+            track.observed_from = track.taken
+        elif not opened and track.observed_from is not None:
+            observe_scores(self.ctx, seq_id, False)
+            track.observed_from = None
 
     def evict(self, seq_id: int, track: Track) -> None:
         cells, positions = self.ctx.cells(seq_id)
@@ -209,8 +236,6 @@ class BudgetedSequences:
         for p0, p1 in evicted_runs(positions, kept):
             self.ctx.remove(seq_id, p0, p1)
         track.cells = self.ctx.n_cells(seq_id)
-        # a later eviction reads a snapshot at most `window` tokens old
-        track.snapshots = {t: s for t, s in track.snapshots.items() if t > track.taken - self.config.window}
         self.last_choice = (inputs, kept)
         self.evictions += 1
         self.counts.setdefault(seq_id, [0, 0])[0] += 1
@@ -219,30 +244,24 @@ class BudgetedSequences:
         """[n_layer, len(cells)] accumulated attention of seq_id."""
         return np.stack([cell_scores(self.ctx, seq_id, layer)[cells] for layer in range(self.ctx.model.n_layer)])
 
-    def window_attention(self, seq_id: int, track: Track, cells: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """[n_layer, n] attention from the last `window` queries (since arrival, if the snapshot is missing)."""
-        now = self.layer_scores(seq_id, cells).astype(np.float64)
-        start = track.taken - self.config.window
-        if start <= 0:  # every query so far is in the window
-            return now
-        if start not in track.snapshots:
+    def window_attention(self, seq_id: int, track: Track, cells: np.ndarray) -> np.ndarray:
+        """[n_layer, n] attention from the queries of the observation window (zeros if it never opened)."""
+        observed = 0 if track.observed_from is None else track.taken - track.observed_from
+        if observed < self.config.window:
             self.fallback_evictions += 1
             self.counts.setdefault(seq_id, [0, 0])[1] += 1
-            return now
-        before_positions, before = track.snapshots[start]
-        at = np.minimum(np.searchsorted(before_positions, positions), len(before_positions) - 1)
-        present = before_positions[at] == positions
-        now[:, present] -= before[:, at[present]]
-        return now
+        if track.observed_from is None:
+            return np.zeros((self.ctx.model.n_layer, len(cells)))
+        return self.layer_scores(seq_id, cells).astype(np.float64)
 
     def inputs(self, seq_id: int, track: Track, cells: np.ndarray, positions: np.ndarray) -> EvictionInputs:
         forced = self.config.forced(positions, track.n_prompt)
         n_choose = max(0, self.config.budget - int(forced.sum()))
-        if not self.policy.needs_attention:
-            return EvictionInputs(positions, forced, n_choose)
-        window = self.window_attention(seq_id, track, cells, positions)
-        cumulative = cell_scores(self.ctx, seq_id)[cells].astype(np.float64)
-        keys = None
+        window = cumulative = keys = None
+        if self.policy.needs_attention:
+            window = self.window_attention(seq_id, track, cells)
+        if self.policy.needs_cumulative_attention:
+            cumulative = cell_scores(self.ctx, seq_id)[cells].astype(np.float64)
         if self.policy.needs_keys:
             rows = np.stack([key_rows(self.ctx, layer, cells) for layer in range(self.ctx.model.n_layer)])
             n_layer, n, width = rows.shape

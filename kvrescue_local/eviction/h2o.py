@@ -14,7 +14,7 @@ from .base import EvictionInputs, Policy, register
 @register("h2o")
 @dataclass(frozen=True)
 class H2OPolicy(Policy):
-    needs_attention = True
+    needs_cumulative_attention = True
 
     def score(self, inputs: EvictionInputs) -> np.ndarray:
         return np.asarray(inputs.cumulative_attention, np.float64)

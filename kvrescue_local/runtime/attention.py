@@ -5,7 +5,8 @@ the batch, the attention that its last `n_obs` tokens of that batch pay to each 
 (softmax over keys with the model's own mask and scale, summed over heads) into a
 per-layer, per-sequence accumulator that lives on the device of that layer's K cache.
 Scores are indexed by cell (see `Context.cells` for the cell -> position map); a cell's
-scores restart from zero when a new token is written into it.
+scores restart from zero when a new token is written into it. `observe_scores` switches a
+sequence's accumulation off (a decode then costs nothing for its tokens) and back on.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def reset_scores(ctx: Context, seq_id: int = -1) -> None:
     if seq_id >= 0:
         ctx.check_seq(seq_id)
     patched().llama_kvr_attn_reset(ctx.handle, int(seq_id))
+
+
+def observe_scores(ctx: Context, seq_id: int, observe: bool) -> None:
+    """Whether seq_id's tokens (-1: every sequence's) add to its scores; all do after `enable_scores`. The
+    scores of a sequence not observed are not maintained: reset them before observing it again."""
+    if seq_id >= 0:
+        ctx.check_seq(seq_id)
+    patched().llama_kvr_attn_observe(ctx.handle, int(seq_id), bool(observe))
 
 
 def copy_scores(ctx: Context, src: int, dst: int) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import KVRescueError
 
-REQUIRED_PATCH_LEVEL = 2
+REQUIRED_PATCH_LEVEL = 3
 REBUILD_HINT = "run `python3 patches/build.py` (README: set-up) to install the patched build"
 
 
@@ -54,6 +54,8 @@ def bind_patch(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llama_kvr_attn_enable.restype = ctypes.c_int32
     lib.llama_kvr_attn_reset.argtypes = [ctypes.c_void_p, ctypes.c_int32]
     lib.llama_kvr_attn_reset.restype = None
+    lib.llama_kvr_attn_observe.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]
+    lib.llama_kvr_attn_observe.restype = None
     lib.llama_kvr_attn_copy.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
     lib.llama_kvr_attn_copy.restype = None
     lib.llama_kvr_attn_get.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, f32p, ctypes.c_int32]
