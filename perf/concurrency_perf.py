@@ -9,7 +9,7 @@ ratio of the second K's problems/min to the first's (goal >= 3x for K = 8 vs 1).
 
 Usage: python3 perf/concurrency_perf.py [--preset toy|coder] [--problems 16] [--ks 1,8,16] [--mode kvrescue]
        [-n 8] [--budget 64] [--max-tokens T] [--prm PRM.gguf]
-(--preset coder has no PRM yet: give --prm, or use --mode bon -n 1.)
+(the preset's PRM unless --prm names another)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=8)
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, help="trajectory cap [default: the preset's]")
-    parser.add_argument("--prm", help="a PRM GGUF (the coder preset has none yet)")
+    parser.add_argument("--prm", help="a PRM GGUF [default: the preset's]")
     args = parser.parse_args()
     mode = Mode.parse(args.mode)
     options = {"preset": args.preset, "base": None, "helper": None, "prm": args.prm}

@@ -164,6 +164,28 @@ def test_a_40_token_chunk_across_the_limit_ranks_by_the_last_window_queries(base
     assert seqs.ctx.n_cells(0) == 24 + 4
 
 
+@pytest.mark.parametrize("policy, always", [("rkv", False), ("snapkv", False), ("h2o", True)])
+def test_window_policies_pay_for_scores_only_inside_the_window(base_model, policy, always):
+    """A window policy's sequence is observed from `window` tokens before the limit (its scores start from
+    zero there); H2O, which reads attention since arrival, observes every query."""
+    budget = KVBudget(budget=24, buffer=16, window=8, policy=policy)  # limit 40: the window opens at 32
+    tokens = token_stream(base_model, 40)
+    seqs = BudgetedSequences(Context(base_model, ContextParams(n_ctx=256, flash_attn="off")), budget)
+    ingest(seqs, 0, tokens[:20], most=512)
+    for token in tokens[20:31]:
+        seqs.ctx.step([0], [int(token)])
+        assert not seqs.enforce(0)
+    unobserved = cell_scores(seqs.ctx, 0)  # 31 cells: outside the window
+    assert (unobserved.sum() > 0) == always
+    for token in tokens[31:33]:  # the first opens the window (32 cells), the second is its first query
+        seqs.ctx.step([0], [int(token)])
+        assert not seqs.enforce(0)
+    cells = seqs.ctx.cells(0)[0]
+    # each observed query adds n_head (4) per layer; a window policy's scores restarted at the window
+    expected = unobserved[cells].sum() + 2 * 4 * base_model.n_layer if always else 4 * base_model.n_layer
+    assert cell_scores(seqs.ctx, 0)[cells].sum() == pytest.approx(expected, rel=1e-3)
+
+
 def test_a_chunk_past_the_window_start_is_counted_as_a_fallback(base_model):
     budget = KVBudget(budget=24, buffer=16, window=8)
     seqs = BudgetedSequences(Context(base_model, ContextParams(n_ctx=256, flash_attn="off")), budget)
