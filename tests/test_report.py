@@ -151,13 +151,15 @@ def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
     assert s["kvrescue", 64].recovered == pytest.approx(50.0)  # (50 - 25) / (75 - 25)
     assert s["kvrescue", 128].recovered is None, "no bon row at budget 128"
     assert s["kvrescue", 64].early_exit == pytest.approx(10.0)  # 8 killed of 80
+    assert s["kvrescue", 64].helper_step_share == pytest.approx(100 * 22 / 46)  # helper 4+5+6+7, base 4 x 6
+    assert s["bon", 64].helper_step_share is None and s["full", None].helper_step_share is None
     assert s["kvrescue", 64].problems_per_minute == pytest.approx(4 * 60 / 8.0)
     assert s["kvrescue", 64].base_tok_s == pytest.approx(1000 / 4.0)
     assert s["full", None].degeneration == 0.0
     assert accuracy_recovered(80.0, 50.0, 50.0) is None
     text = render(rows)
     kv64 = next(line for line in table_lines(text, "Table 2: ablation") if line.startswith("kvrescue  64"))
-    assert kv64.split()[4:8] == ["4", "50.0", "0.0", "0.0"] and kv64.split()[-1] == "50.0"
+    assert kv64.split()[4:8] == ["4", "50.0", "0.0", "0.0"] and kv64.split()[10] == "47.8" and kv64.split()[-1] == "50.0"
     assert "kvrescue b64 n8 streaming: KV-Rescue recovers 50% of the accuracy eviction costs, with 1.00x" in text
 
 

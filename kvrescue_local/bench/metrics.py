@@ -184,6 +184,14 @@ class Summary:
     base_token_ratio: float | None = None  # kvrescue rows: base tokens / the matching bon row's
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
 
+    @property
+    def helper_step_share(self) -> float | None:
+        """%, of the committed steps, those the helper wrote (modes that run both models)."""
+        total = sum(self.steps_from.values())
+        if not (self.key.uses_base and self.key.uses_helper) or total == 0:
+            return None
+        return 100.0 * self.steps_from.get("helper", 0) / total
+
 
 def summarize(key: ConfigKey, rows: list[dict]) -> Summary:
     n = len(rows)

@@ -1,8 +1,8 @@
 """The paper's tables from a results JSONL file (one line per problem × configuration).
 
 Table 2 (ablation), one row per configuration (dataset, mode, budget, N, policy, setup; seeds pooled):
-  problems, pass@1, degeneration, length-cap stops, base tokens, committed steps, early exits, helper
-  tokens, problems per minute, PRM seconds and, for kvrescue rows, the accuracy recovered; below it,
+  problems, pass@1, degeneration, length-cap stops, base tokens, committed steps, the helper's share of
+  them, early exits, helper tokens, problems per minute, PRM seconds and, for kvrescue rows, the accuracy recovered; below it,
   per kvrescue row, the share of the accuracy lost to eviction that it recovers and its base tokens
   relative to evicted best-of-N; and, where a bon row and a helper row of the same N exist, the oracle
   pick between their answers (the paper's Figure 1a).
@@ -146,18 +146,20 @@ def table2(items: list[Summary]) -> Table:
     setups = setup_notes(items)
     with_setup = bool(setups)
     headers = _config_headers(with_dataset, with_setup) + ["problems", "pass@1 %", "degen %", "cap %", "base tok",
-                                                           "steps", "early exit %", "helper tok", "prob/min", "PRM s",
-                                                           "recovered %"]
+                                                           "steps", "helper steps %", "early exit %", "helper tok",
+                                                           "prob/min", "PRM s", "recovered %"]
     rows = []
     for s in items:
         rows.append(_config_cells(s, with_dataset, with_setup) + [
             str(s.problems), fmt(s.pass1), fmt(s.degeneration), fmt(s.length_capped),
-            fmt(s.base_tokens, 0) if s.key.uses_base else "-", fmt(s.steps), fmt(s.early_exit),
+            fmt(s.base_tokens, 0) if s.key.uses_base else "-", fmt(s.steps), fmt(s.helper_step_share),
+            fmt(s.early_exit),
             fmt(s.helper_tokens, 0) if s.key.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
             fmt(s.recovered)])
-    align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 11
+    align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 12
     notes = setups + ["degen %: wrong and >= 256 committed steps (or the step cap, if lower), among all trajectories; "
-             "cap %: stopped by the token or step cap; early exit %: killed / all base candidates; "
+             "cap %: stopped by the token or step cap; helper steps %: of the committed steps, the helper's; "
+             "early exit %: killed / all base candidates; "
              "recovered %: (kvrescue - bon) / (full - bon) pass@1 at the same budget and N; tokens and seconds are "
              "means per problem; prob/min = problems / summed wall time."]
     for s in items:
