@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvrescue_local.bench.estimate import BUILTIN, estimate, parse_contexts, qwen2_spec, resolve_model, spec_from_gguf
-from kvrescue_local.bench.metrics import accuracy_recovered, oracles, result_line, summaries
+from kvrescue_local.bench.metrics import accuracy_recovered, choice_comparisons, oracles, result_line, summaries
 from kvrescue_local.bench.report import load_results, render
 from kvrescue_local.bench.run import results_config, sweep_axes
 from kvrescue_local.cli.report import estimate_command, report
@@ -161,6 +161,22 @@ def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
     kv64 = next(line for line in table_lines(text, "Table 2: ablation") if line.startswith("kvrescue  64"))
     assert kv64.split()[4:8] == ["4", "50.0", "0.0", "0.0"] and kv64.split()[10] == "47.8" and kv64.split()[-1] == "50.0"
     assert "kvrescue b64 n8 streaming: KV-Rescue recovers 50% of the accuracy eviction costs, with 1.00x" in text
+
+
+def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
+    chosen = synthetic("kvrescue", 4, 64, [True, True, True, False])
+    drawn = synthetic("kvrescue", 4, 64, [True, False, False])  # q3 not run at random: left out
+    for row in drawn:
+        row["config"]["choice"] = "random"
+    other_budget = synthetic("kvrescue", 4, 128, [False, False])
+    for row in other_budget:
+        row["config"]["choice"] = "random"
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", chosen + drawn + other_budget))
+    (c,) = choice_comparisons(rows)
+    assert (c.prm.budget, c.problems, c.prm_pass1, c.random_pass1) == (64, 3, 100.0, pytest.approx(100 / 3))
+    assert 0.0 <= c.low <= 200 / 3 <= c.high <= 100.0
+    assert (f"PRM vs random choice, kvrescue b64 n4 streaming, on the 3 problems both ran: 100.0% vs 33.3% "
+            f"(difference +66.7 points, 95% paired bootstrap interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
 
 
 def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_ran(tmp_path):

@@ -33,6 +33,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..rescue import MODES, Mode, Trajectory
 from ..rescue.record import LENGTH_CAPS
 from .results_file import differences
@@ -288,31 +290,68 @@ class Oracle:
     gap_closed: float | None  # % of (full - bon) that the oracle closes
 
 
+def correct_by_id(rows: list[dict]) -> dict[str, bool]:
+    return {str(r["id"]): bool(r["correct"]) for r in rows}
+
+
+def partner(groups: dict[ConfigKey, list[dict]], of: ConfigKey, **same) -> ConfigKey | None:
+    """The first configuration with the given fields that shares `of`'s dataset, N, settings and prompt (not its
+    models: the helper runs other models than the base, and random choice loads no PRM)."""
+    return next((k for k in groups if k.dataset == of.dataset and k.n == of.n
+                 and all(getattr(k, name) == value for name, value in same.items())
+                 and settings_label(groups[k][0]) == settings_label(groups[of][0])), None)
+
+
 def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
     groups = group_rows(rows, pool_setups)
-
-    def correct_by_id(key: ConfigKey) -> dict[str, bool]:
-        return {str(r["id"]): bool(r["correct"]) for r in groups[key]}
-
     out = []
     for bon in (k for k in groups if k.mode == Mode.BON):
-        def partner(mode: Mode) -> ConfigKey | None:
-            # the helper runs other models than the base, so partners share the settings and prompt, not the models
-            return next((k for k in groups if k.mode == mode and k.dataset == bon.dataset and k.n == bon.n
-                         and settings_label(groups[k][0]) == settings_label(groups[bon][0])), None)
-
-        helper, full = partner(Mode.HELPER), partner(Mode.FULL)
+        helper, full = partner(groups, bon, mode=Mode.HELPER), partner(groups, bon, mode=Mode.FULL)
         if helper is None:
             continue
-        b, h = correct_by_id(bon), correct_by_id(helper)
+        b, h = correct_by_id(groups[bon]), correct_by_id(groups[helper])
         common = sorted(set(b) & set(h))
         if not common:
             continue
-        f = correct_by_id(full) if full else {}
+        f = correct_by_id(groups[full]) if full else {}
         pct = lambda flags: 100.0 * sum(flags) / len(common)  # noqa: E731
         oracle = pct(b[i] or h[i] for i in common)
         full_pass1 = pct(f[i] for i in common) if all(i in f for i in common) else None
         gap = accuracy_recovered(oracle, pct(b[i] for i in common), full_pass1) if full_pass1 is not None else None
         out.append(Oracle(bon, len(common), pct(b[i] for i in common), pct(h[i] for i in common), oracle,
                           full_pass1, gap))
+    return out
+
+
+@dataclass(frozen=True)
+class ChoiceComparison:
+    """KV-Rescue choosing by the PRM against choosing at random, problem by problem (the PRM's worth in the loop)."""
+
+    prm: ConfigKey
+    problems: int
+    prm_pass1: float  # %, on these problems
+    random_pass1: float
+    low: float  # 95% paired bootstrap interval of prm_pass1 - random_pass1, in points
+    high: float
+
+
+def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
+                       seed: int = 0) -> list[ChoiceComparison]:
+    groups = group_rows(rows, pool_setups)
+    rng = np.random.default_rng(seed)
+    out = []
+    for chosen in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice == "prm"):
+        random = partner(groups, chosen, mode=Mode.KVRESCUE, choice="random", budget=chosen.budget,
+                         policy=chosen.policy)
+        if random is None:
+            continue
+        p, r = correct_by_id(groups[chosen]), correct_by_id(groups[random])
+        common = sorted(set(p) & set(r))
+        if not common:
+            continue
+        diff = np.array([float(p[i]) - float(r[i]) for i in common])
+        means = diff[rng.integers(len(diff), size=(draws, len(diff)))].mean(axis=1)
+        low, high = np.percentile(100.0 * means, [2.5, 97.5])
+        out.append(ChoiceComparison(chosen, len(common), 100.0 * sum(p[i] for i in common) / len(common),
+                                    100.0 * sum(r[i] for i in common) / len(common), float(low), float(high)))
     return out

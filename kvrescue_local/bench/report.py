@@ -4,8 +4,9 @@ Table 2 (ablation), one row per configuration (dataset, mode, budget, N, policy,
   problems, pass@1, degeneration, length-cap stops, base tokens, committed steps, the helper's share of
   them, early exits, helper tokens, problems per minute, PRM seconds and, for kvrescue rows, the accuracy recovered; below it,
   per kvrescue row, the share of the accuracy lost to eviction that it recovers and its base tokens
-  relative to evicted best-of-N; and, where a bon row and a helper row of the same N exist, the oracle
-  pick between their answers (the paper's Figure 1a).
+  relative to evicted best-of-N; where a bon row and a helper row of the same N exist, the oracle
+  pick between their answers (the paper's Figure 1a); and where KV-Rescue ran with the PRM's choice and
+  with random choice, the two on the problems both ran (paired bootstrap interval of the difference).
 Table 1 (decode cost), per configuration: mean seconds per problem inside llama.cpp for the base and
   the helper, in the PRM, in orchestration (the rest), in total; tokens per second of base and helper.
 Table 3 (throughput and KV memory by concurrency, and the memory-capped view), from rows that record
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .metrics import ConfigKey, Summary, config_key, oracles, setup_notes, summaries
+from .metrics import ConfigKey, Summary, choice_comparisons, config_key, oracles, setup_notes, summaries
 from .throughput import Throughput, same_axes, throughputs
 
 MIB = 1024 * 1024
@@ -188,13 +189,17 @@ def table1(items: list[Summary]) -> Table:
     return Table("Table 1: decode cost", headers, rows, align, notes)
 
 
-def oracle_notes(rows: list[dict], pool_setups: bool) -> list[str]:
+def comparison_notes(rows: list[dict], pool_setups: bool) -> list[str]:
     notes = []
     for o in oracles(rows, pool_setups):
         full = "" if o.full_pass1 is None else f", full KV {fmt(o.full_pass1)}%"
         gap = "" if o.gap_closed is None else f": it closes {o.gap_closed:.0f}% of the gap eviction opens"
         notes.append(f"oracle pick, {o.bon.label} or helper n{o.bon.n}, on the {o.problems} problems both ran: "
                      f"{fmt(o.oracle_pass1)}% (evicted {fmt(o.bon_pass1)}%, helper {fmt(o.helper_pass1)}%{full}){gap}")
+    for c in choice_comparisons(rows, pool_setups):
+        notes.append(f"PRM vs random choice, {c.prm.label}, on the {c.problems} problems both ran: {fmt(c.prm_pass1)}% "
+                     f"vs {fmt(c.random_pass1)}% (difference {c.prm_pass1 - c.random_pass1:+.1f} points, 95% paired "
+                     f"bootstrap interval {c.low:+.1f} to {c.high:+.1f})")
     return notes
 
 
@@ -210,7 +215,7 @@ def render(rows: list[dict], markdown: bool = False, pool_setups: bool = False, 
     unique = once_each(rows, pool_setups)
     items = summaries(unique, pool_setups)
     tables = [table2(items), table1(items)]
-    tables[0].notes += oracle_notes(unique, pool_setups)
+    tables[0].notes += comparison_notes(unique, pool_setups)
     speeds = throughputs(rows, pool_setups)
     if speeds:
         tables += [table3(speeds), memory_capped(speeds, kv_cap)]
