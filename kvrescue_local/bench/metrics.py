@@ -294,6 +294,12 @@ def correct_by_id(rows: list[dict]) -> dict[str, bool]:
     return {str(r["id"]): bool(r["correct"]) for r in rows}
 
 
+def paired(groups: dict[ConfigKey, list[dict]], a: ConfigKey, b: ConfigKey) -> tuple[dict, dict, list[str]]:
+    """Each configuration's correctness by problem id, and the ids both ran."""
+    x, y = correct_by_id(groups[a]), correct_by_id(groups[b])
+    return x, y, sorted(set(x) & set(y))
+
+
 def partner(groups: dict[ConfigKey, list[dict]], of: ConfigKey, **same) -> ConfigKey | None:
     """The first configuration with the given fields that shares `of`'s dataset, N, settings and prompt (not its
     models: the helper runs other models than the base, and random choice loads no PRM)."""
@@ -309,8 +315,7 @@ def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
         helper, full = partner(groups, bon, mode=Mode.HELPER), partner(groups, bon, mode=Mode.FULL)
         if helper is None:
             continue
-        b, h = correct_by_id(groups[bon]), correct_by_id(groups[helper])
-        common = sorted(set(b) & set(h))
+        b, h, common = paired(groups, bon, helper)
         if not common:
             continue
         f = correct_by_id(groups[full]) if full else {}
@@ -345,8 +350,7 @@ def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int =
                          policy=chosen.policy)
         if random is None:
             continue
-        p, r = correct_by_id(groups[chosen]), correct_by_id(groups[random])
-        common = sorted(set(p) & set(r))
+        p, r, common = paired(groups, chosen, random)
         if not common:
             continue
         diff = np.array([float(p[i]) - float(r[i]) for i in common])
