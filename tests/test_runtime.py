@@ -79,6 +79,21 @@ def test_fork_decode_keep_winner_continues_like_a_straight_decode(base_model):
     assert forked.n_cells(winner) == len(prompt) + 1 + 12
 
 
+def test_llama_seconds_count_memory_calls_beside_decoding(base_model):
+    """Cost reports charge llama.cpp's memory calls (fork, remove, the cell map) to llama.cpp, not to the engine."""
+    ctx = Context(base_model, ContextParams(n_ctx=512, n_seq_max=4))
+    ctx.prefill(0, base_model.tokenize(PROMPT))
+    decoded = ctx.decode_seconds
+    assert decoded > 0 and ctx.llama_seconds >= decoded
+    before = ctx.memory_seconds
+    for seq in range(1, 4):
+        ctx.fork(0, seq)
+    ctx.remove(1, 2, 5)
+    ctx.cells(2)
+    assert ctx.memory_seconds > before and ctx.decode_seconds == decoded
+    assert ctx.llama_seconds == pytest.approx(ctx.decode_seconds + ctx.sample_seconds + ctx.memory_seconds)
+
+
 def test_removing_a_middle_range_is_exact_and_shown_by_the_cell_map(one_layer_model):
     """Removed cells get exactly zero attention: the continuation equals a context that never held them."""
     tokens = one_layer_model.tokenize("The ledger: a=17 b=42 c=5 d=93 e=11 f=64 g=30 h=8. Compute a+d-c+g step by step.\n\n")

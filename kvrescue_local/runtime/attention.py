@@ -27,7 +27,7 @@ def enable_scores(ctx: Context, n_obs: int) -> None:
     """Accumulate attention scores from the last n_obs tokens of each sequence per decode; 0 turns it off."""
     if n_obs < 0:
         raise KVRescueError(f"n_obs must be >= 0 (0 turns attention scores off), got {n_obs}")
-    rc = patched().llama_kvr_attn_enable(ctx.handle, int(n_obs))
+    rc = ctx.call(patched().llama_kvr_attn_enable, ctx.handle, int(n_obs))
     if rc == -1:
         raise KVRescueError("attention scores need a plain attention KV cache, and this model's memory is recurrent, "
                             "hybrid or sliding-window: use a pure-attention model")
@@ -45,7 +45,7 @@ def reset_scores(ctx: Context, seq_id: int = -1) -> None:
     """Zero the scores of seq_id (-1: every sequence)."""
     if seq_id >= 0:
         ctx.check_seq(seq_id)
-    patched().llama_kvr_attn_reset(ctx.handle, int(seq_id))
+    ctx.call(patched().llama_kvr_attn_reset, ctx.handle, int(seq_id))
 
 
 def observe_scores(ctx: Context, seq_id: int, observe: bool) -> None:
@@ -53,14 +53,14 @@ def observe_scores(ctx: Context, seq_id: int, observe: bool) -> None:
     scores of a sequence not observed are not maintained: reset them before observing it again."""
     if seq_id >= 0:
         ctx.check_seq(seq_id)
-    patched().llama_kvr_attn_observe(ctx.handle, int(seq_id), bool(observe))
+    ctx.call(patched().llama_kvr_attn_observe, ctx.handle, int(seq_id), bool(observe))
 
 
 def copy_scores(ctx: Context, src: int, dst: int) -> None:
     """Give dst the scores of src (after `ctx.fork(src, dst)`, so the fork starts with its parent's scores)."""
     ctx.check_seq(src)
     ctx.check_seq(dst)
-    patched().llama_kvr_attn_copy(ctx.handle, int(src), int(dst))
+    ctx.call(patched().llama_kvr_attn_copy, ctx.handle, int(src), int(dst))
 
 
 def check_layer(ctx: Context, layer: int, allow_sum: bool) -> None:
@@ -76,7 +76,8 @@ def cell_scores(ctx: Context, seq_id: int, layer: int = -1) -> np.ndarray:
     ctx.check_seq(seq_id)
     check_layer(ctx, layer, allow_sum=True)
     out = np.zeros(ctx.n_ctx, np.float32)
-    n = patched().llama_kvr_attn_get(ctx.handle, int(seq_id), int(layer), out.ctypes.data_as(_F32P), ctx.n_ctx)
+    n = ctx.call(patched().llama_kvr_attn_get, ctx.handle, int(seq_id), int(layer), out.ctypes.data_as(_F32P),
+                 ctx.n_ctx)
     if n == -1:
         raise KVRescueError("attention scores are not enabled on this context: call enable_scores(ctx, n_obs) "
                             "before decoding")
@@ -92,25 +93,12 @@ def cell_scores(ctx: Context, seq_id: int, layer: int = -1) -> np.ndarray:
 
 def n_head_kv(ctx: Context) -> int:
     """KV heads per layer (a K row holds one key of head_k values per KV head)."""
-    return llama().llama_model_n_head_kv(ctx.model.handle)
+    return ctx.model.n_head_kv
 
 
 def n_embd_k_gqa(ctx: Context) -> int:
     """Width of one K row: key head size times the number of KV heads."""
-    model = ctx.model.handle
-    head_k = ctx.model.n_embd // llama().llama_model_n_head(model)
-    arch = _meta(model, "general.architecture")
-    if arch:
-        key_length = _meta(model, f"{arch}.attention.key_length")
-        if key_length:
-            head_k = int(key_length)
-    return head_k * n_head_kv(ctx)
-
-
-def _meta(model, key: str) -> str | None:
-    buf = ctypes.create_string_buffer(256)
-    n = llama().llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode() if n >= 0 else None
+    return ctx.model.n_embd_k_gqa
 
 
 def key_rows(ctx: Context, layer: int, cells) -> np.ndarray:
@@ -122,8 +110,8 @@ def key_rows(ctx: Context, layer: int, cells) -> np.ndarray:
     out = np.zeros((len(cells), n_embd_k_gqa(ctx)), np.float32)
     if len(cells) == 0:
         return out
-    n = patched().llama_kvr_k_rows(ctx.handle, int(layer), cells.ctypes.data_as(_I32P), len(cells),
-                                   out.ctypes.data_as(_F32P))
+    n = ctx.call(patched().llama_kvr_k_rows, ctx.handle, int(layer), cells.ctypes.data_as(_I32P), len(cells),
+                 out.ctypes.data_as(_F32P))
     if n == -1:
         raise KVRescueError("K rows need a plain attention KV cache, and this model's memory is recurrent, hybrid "
                             "or sliding-window: use a pure-attention model")

@@ -144,8 +144,11 @@ class Context:
         self.batch = Batch(params.n_batch)
         self.decode_seconds = 0.0  # wall time inside llama_decode, for cost reports
         self.sample_seconds = 0.0  # wall time in llama.cpp's samplers (see Sampler.sample)
+        self.memory_seconds = 0.0  # wall time in llama.cpp's memory and the patch's calls (see `call`)
         self._decode = low.llama_decode
         self._logits_ith = low.llama_get_logits_ith
+        self._logits_all = low.llama_get_logits
+        self.n_outputs = 0  # rows flagged for output in the last decode
         self._embeddings_ith = low.llama_get_embeddings_ith
         self._pos_max = low.llama_memory_seq_pos_max
 
@@ -157,6 +160,19 @@ class Context:
     def __del__(self) -> None:
         self.free()
 
+    def call(self, function, *args):
+        """function(*args), a llama.cpp or patch call, its wall time added to memory_seconds: with decoding and
+        sampling, the whole of llama.cpp's share in cost reports (the engine's share is what is left)."""
+        started = time.perf_counter()
+        result = function(*args)
+        self.memory_seconds += time.perf_counter() - started
+        return result
+
+    @property
+    def llama_seconds(self) -> float:
+        """Wall time inside llama.cpp on this context so far: decoding, sampling, memory and patch calls."""
+        return self.decode_seconds + self.sample_seconds + self.memory_seconds
+
     # --- sequences -------------------------------------------------------
     def check_seq(self, seq_id: int) -> None:
         if not 0 <= seq_id < self.n_seq_max:
@@ -166,31 +182,31 @@ class Context:
     def pos_max(self, seq_id: int) -> int:
         """Largest position seq_id holds, -1 when empty."""
         self.check_seq(seq_id)
-        return self._pos_max(self.memory, seq_id)
+        return self.call(self._pos_max, self.memory, seq_id)
 
     def fork(self, src: int, dst: int) -> None:
         """Make dst an exact copy of src; they share cells until they diverge."""
         self.check_seq(src)
         self.check_seq(dst)
         low = llama()
-        low.llama_memory_seq_rm(self.memory, dst, -1, -1)
-        low.llama_memory_seq_cp(self.memory, src, dst, -1, -1)
+        self.call(low.llama_memory_seq_rm, self.memory, dst, -1, -1)
+        self.call(low.llama_memory_seq_cp, self.memory, src, dst, -1, -1)
 
     def keep(self, seq_id: int) -> None:
         """Drop every other sequence (the winner of a round stays)."""
         self.check_seq(seq_id)
-        llama().llama_memory_seq_keep(self.memory, seq_id)
+        self.call(llama().llama_memory_seq_keep, self.memory, seq_id)
 
     def drop(self, seq_id: int) -> None:
         self.check_seq(seq_id)
-        llama().llama_memory_seq_rm(self.memory, seq_id, -1, -1)
+        self.call(llama().llama_memory_seq_rm, self.memory, seq_id, -1, -1)
 
     def remove(self, seq_id: int, p0: int, p1: int) -> None:
         """Remove positions [p0, p1) from seq_id; both bounds explicit (p1 < 0 would mean 'to the end')."""
         self.check_seq(seq_id)
         if not 0 <= p0 <= p1:
             raise KVRescueError(f"remove needs 0 <= p0 <= p1, got [{p0}, {p1})")
-        if not llama().llama_memory_seq_rm(self.memory, seq_id, p0, p1):
+        if not self.call(llama().llama_memory_seq_rm, self.memory, seq_id, p0, p1):
             raise KVRescueError("this model's memory cannot remove a partial range (recurrent or hybrid model): "
                                 "KV eviction needs a pure-attention model")
 
@@ -198,13 +214,13 @@ class Context:
         """(cell indices, positions) that seq_id holds, ordered by position (the patch's cell map)."""
         self.check_seq(seq_id)
         lib = patched()
-        n = lib.llama_kvr_seq_cells(self.memory, seq_id, None, None, 0)
+        n = self.call(lib.llama_kvr_seq_cells, self.memory, seq_id, None, None, 0)
         if n == -1:
             raise KVRescueError("this context's memory is not a plain attention KV cache: the cell map needs one")
         cells = np.zeros(n, np.int32)
         pos = np.zeros(n, np.int32)
-        lib.llama_kvr_seq_cells(self.memory, seq_id, cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-                                pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
+        self.call(lib.llama_kvr_seq_cells, self.memory, seq_id, cells.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                  pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), n)
         return cells, pos
 
     def used_cells(self, seq_ids) -> int:
@@ -219,7 +235,7 @@ class Context:
     def n_cells(self, seq_id: int) -> int:
         """How many cells seq_id can attend to."""
         self.check_seq(seq_id)
-        return patched().llama_kvr_seq_cells(self.memory, seq_id, None, None, 0)
+        return self.call(patched().llama_kvr_seq_cells, self.memory, seq_id, None, None, 0)
 
     # --- decoding --------------------------------------------------------
     def decode(self, tokens, positions, seq_ids, outputs) -> None:
@@ -228,6 +244,7 @@ class Context:
         if n > self.batch.capacity:
             raise KVRescueError(f"a batch of {n} tokens exceeds n_batch={self.batch.capacity}")
         self.batch.fill(tokens, positions, seq_ids, outputs)
+        self.n_outputs = int(np.count_nonzero(outputs))
         started = time.perf_counter()
         status = self._decode(self.handle, self.batch.struct)
         self.decode_seconds += time.perf_counter() - started
@@ -261,7 +278,8 @@ class Context:
         for s in seq_ids:
             self.check_seq(int(s))
         self.check_vocab(tokens)
-        positions = np.fromiter((self._pos_max(self.memory, int(s)) + 1 for s in seq_ids), np.int32, len(seq_ids))
+        positions = np.fromiter((self.call(self._pos_max, self.memory, int(s)) + 1 for s in seq_ids), np.int32,
+                                len(seq_ids))
         self.decode(tokens, positions, seq_ids, np.ones(len(tokens), np.int8))
 
     def check_vocab(self, tokens: np.ndarray) -> None:
@@ -274,6 +292,14 @@ class Context:
         if not ptr:
             raise KVRescueError(f"no logits for batch row {row}: that row was not flagged for output")
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def output_logits(self) -> np.ndarray:
+        """The logits of every row flagged for output in the last decode, in batch order: [n_outputs, n_vocab], a
+        view valid until the next decode (llama.cpp puts its outputs back in batch order when asked for them all)."""
+        ptr = self.call(self._logits_all, self.handle)
+        if not ptr or self.n_outputs == 0:
+            raise KVRescueError("no logits: the last decode flagged no row for output")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_outputs, self.n_vocab))
 
     def embedding(self, row: int) -> np.ndarray:
         """A copy of the final hidden state of batch row `row` (context made with embeddings=True)."""

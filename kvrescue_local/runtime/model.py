@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,7 @@ class Model:
                                 "architecture this llama.cpp does not know; download or convert it again")
         self.vocab = low.llama_model_get_vocab(self.handle)
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
 
     def free(self) -> None:
         if getattr(self, "handle", None):
@@ -78,6 +80,16 @@ class Model:
     @property
     def n_head_kv(self) -> int:
         return llama().llama_model_n_head_kv(self.handle)
+
+    @cached_property
+    def n_embd_k_gqa(self) -> int:
+        """Width of one K row: the key head size (the GGUF's key_length, else n_embd / n_head) times the KV heads."""
+        head_k = self.n_embd // self.n_head
+        arch = self.metadata("general.architecture")
+        key_length = self.metadata(f"{arch}.attention.key_length") if arch else None
+        if key_length:
+            head_k = int(key_length)
+        return head_k * self.n_head_kv
 
     @property
     def n_ctx_train(self) -> int:
@@ -113,7 +125,11 @@ class Model:
         return llama().llama_vocab_eos(self.vocab)
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama().llama_vocab_is_eog(self.vocab, token))
+        """Whether token ends a generation (cached: called for every sampled token)."""
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama().llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     def tokenize(self, text: str, special: bool = True) -> np.ndarray:
         """Token ids of text; with special=True control tokens written in the text (<|im_start|>) are parsed."""
