@@ -29,7 +29,7 @@ def run_candidate(model, n_tokens=400, detector=Detector()):
     for _ in range(n_tokens):
         logits = ctx.logits(row)
         token = sampler.sample(ctx, row)
-        if monitor.update(logits, model.token_bytes(token)):
+        if monitor.update(token_entropy(logits), model.token_bytes(token)):
             break
         ctx.step([0], [token])
         row = 0
@@ -61,7 +61,8 @@ def test_ordinary_reasoning_steps_are_not_killed(looping_model):
         ctx.prefill(0, looping_model.tokenize("<|im_start|>assistant\n"))
         for token in tokens:
             ctx.step([0], [int(token)])
-            assert not monitor.update(ctx.logits(0), looping_model.token_bytes(int(token))), (step, monitor.stats())
+            entropy = token_entropy(ctx.logits(0))
+            assert not monitor.update(entropy, looping_model.token_bytes(int(token))), (step, monitor.stats())
         ctx.drop(0)
         tail = (tail + step.encode())[-256:]
         assert monitor.min_compression > 0.5
@@ -75,6 +76,22 @@ def test_signals_match_design_sanity_values():
     peaked = np.zeros(1000)
     peaked[3] = 50
     assert token_entropy(peaked) < 1e-6
+
+
+def test_entropies_of_a_decode_s_rows_are_each_row_s(base_model):
+    """One call per decode: the rows of output_logits (llama.cpp's own, in batch order) get each row's entropy."""
+    ctx = Context(base_model, ContextParams(n_ctx=1024, n_seq_max=20))
+    prompt = base_model.tokenize("<|im_start|>assistant\nthe total is")
+    for seq in range(20):
+        ctx.prefill(seq, prompt[: 3 + seq % 7])
+    ctx.step(list(range(20)), [int(t) for t in base_model.tokenize("abcdefghijklmnopqrst")])
+    rows = ctx.output_logits()
+    assert rows.shape == (20, base_model.n_vocab)
+    entropies = token_entropy(rows)
+    assert len(set(np.round(entropies, 6))) > 1, "different contexts, different entropies"
+    for row in range(20):
+        assert np.array_equal(rows[row], ctx.logits(row))
+        assert entropies[row] == pytest.approx(token_entropy(ctx.logits(row)), rel=1e-12)
 
 
 def test_calibration_recovers_a_threshold_between_two_modes(tmp_path):

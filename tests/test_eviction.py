@@ -7,6 +7,7 @@ from kvrescue_local.errors import KVRescueError
 from kvrescue_local.eviction import (POLICIES, BudgetedSequences, EvictionInputs, KVBudget, evicted_runs, make_policy,
                                      policy_specs)
 from kvrescue_local.eviction import reference
+from kvrescue_local.eviction.base import max_pool
 from kvrescue_local.eviction.rkv import redundancy
 from kvrescue_local.runtime import Context, ContextParams
 from kvrescue_local.runtime.attention import cell_scores, enable_scores, reset_scores
@@ -203,6 +204,14 @@ def test_a_prompt_longer_than_the_budget_is_compressed_once_read(base_model):
     assert seqs.last_choice[1][-8:].all()
     seqs.ctx.step([0], [int(prompt[0])])
     assert not seqs.enforce(0), "after the prompt, eviction waits for budget + buffer"
+
+
+def test_max_pool_takes_the_max_of_each_position_s_existing_neighbours():
+    x = np.random.default_rng(3).normal(size=(2, 11))
+    for kernel in range(1, 14):
+        left, right = kernel // 2, (kernel - 1) // 2
+        expected = np.stack([x[:, max(0, i - left): i + right + 1].max(axis=-1) for i in range(11)], axis=-1)
+        assert np.array_equal(max_pool(x, kernel), expected), kernel
 
 
 def test_redundancy_is_the_reference_s_and_spares_the_newest_copy():

@@ -21,12 +21,23 @@ from ..errors import KVRescueError
 _compressor = zstandard.ZstdCompressor(level=3)
 
 
-def token_entropy(logits: np.ndarray) -> float:
-    """Entropy in nats of softmax(logits)."""
-    z = logits.astype(np.float64) - logits.max()
+ENTROPY_ROWS = 8  # rows per float64 pass: 8 rows of a 152k vocabulary take 10 MB
+
+
+def token_entropy(logits: np.ndarray) -> float | np.ndarray:
+    """Entropy in nats of softmax(logits) over the last axis: a float for one row of logits, an array for
+    [rows, n_vocab] (one call per decode, not per candidate)."""
+    if logits.ndim == 2:
+        return np.concatenate([row_entropies(logits[i:i + ENTROPY_ROWS]) for i in range(0, len(logits), ENTROPY_ROWS)])
+    return float(row_entropies(logits[None])[0])
+
+
+def row_entropies(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=-1, keepdims=True)
     p = np.exp(z)
-    total = p.sum()
-    return float(np.log(total) - (p * z).sum() / total)
+    total = p.sum(axis=-1)
+    return np.log(total) - (p * z).sum(axis=-1) / total
 
 
 def compression_ratio(text: bytes) -> float:
@@ -65,12 +76,13 @@ class Monitor:
     def __post_init__(self) -> None:
         self.entropies = deque(maxlen=self.params.entropy_window)
 
-    def update(self, logits: np.ndarray, piece: bytes) -> bool:
-        """Record one token (its logits and text); returns True when the candidate must be killed."""
+    def update(self, entropy: float, piece: bytes) -> bool:
+        """Record one token (the entropy of the logits it was drawn from, and its text); returns True when the
+        candidate must be killed."""
         p = self.params
         self.n_tokens += 1
         self.text += piece
-        self.entropies.append(token_entropy(logits))
+        self.entropies.append(float(entropy))
         if len(self.entropies) == p.entropy_window:
             self.mean_entropy = sum(self.entropies) / p.entropy_window
             self.max_mean_entropy = max(self.max_mean_entropy, self.mean_entropy)

@@ -102,10 +102,14 @@ def policy_specs(text: str) -> list[str]:
 
 
 def max_pool(x: np.ndarray, kernel: int) -> np.ndarray:
-    """Same-length max pooling along the last axis (SnapKV's clustering of neighbouring positions)."""
+    """Same-length max pooling along the last axis (SnapKV's clustering of neighbouring positions): entry i
+    takes the max of entries i - kernel // 2 .. i + (kernel - 1) // 2 that exist (edge padding never wins)."""
     if kernel <= 1 or x.shape[-1] == 0:
         return x
-    pad = kernel // 2
-    padded = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], mode="edge")
-    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1)
-    return windows.max(axis=-1)[..., : x.shape[-1]]
+    out = x.copy()
+    left = kernel // 2
+    for shift in range(1, left + 1):  # a shifted np.maximum per neighbour: no padded copy, no window view
+        np.maximum(out[..., shift:], x[..., :-shift], out=out[..., shift:])
+    for shift in range(1, kernel - left):
+        np.maximum(out[..., :-shift], x[..., shift:], out=out[..., :-shift])
+    return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..detect import Detector, Monitor
+from ..detect import Detector, Monitor, token_entropy
 from ..errors import KVRescueError
 from ..eviction import BudgetedSequences, KVBudget
 from ..runtime import DEFAULT_FLASH_ATTN, Context, ContextParams, Model, Sampler, SamplingParams
@@ -188,8 +188,8 @@ class Generator:
 
     @property
     def llama_seconds(self) -> float:
-        """Time spent inside llama.cpp (decoding and sampling) so far."""
-        return self.ctx.decode_seconds + self.ctx.sample_seconds
+        """Time spent inside llama.cpp (decoding, sampling, memory and patch calls) so far."""
+        return self.ctx.llama_seconds
 
     def resident_cells(self, slot: int) -> int:
         return self.ctx.n_cells(self.committed(slot))
@@ -217,7 +217,7 @@ class Generator:
                 raise KVRescueError(f"{self.side} slot {request.slot} has no logits to start a round from: queue its "
                                     "prompt or its last step and flush first")
             row = self.rows.pop(request.slot)
-            first_logits = self.ctx.logits(row) if detector else None
+            first_entropy = token_entropy(self.ctx.logits(row)) if detector else None
             drafts[request.slot] = []
             for i, seq in enumerate(self.sequences(request.slot)[1:]):
                 params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
@@ -225,7 +225,7 @@ class Generator:
                                         seed=seed_for(self.sampling.seed, *request.seed, i))
                 cand = Draft(self.side, i, seq, Sampler(params), monitor=detector.monitor(request.tail) if detector else None)
                 self.fork(self.committed(request.slot), seq)
-                self.accept(request.slot, cand, cand.sampler.sample(self.ctx, row), first_logits)
+                self.accept(request.slot, cand, cand.sampler.sample(self.ctx, row), first_entropy)
                 if self.budget:
                     self.budget.peak_cells.pop(seq, None)
                 drafts[request.slot].append(cand)
@@ -237,9 +237,10 @@ class Generator:
             for at in range(0, len(active), self.ctx.batch.capacity):
                 part = active[at:at + self.ctx.batch.capacity]
                 self.ctx.step([c.seq for _, c in part], [c.pending for _, c in part])
+                entropies = token_entropy(self.ctx.output_logits()) if detector else None
                 for row, (slot, cand) in enumerate(part):
-                    logits = self.ctx.logits(row) if cand.monitor else None
-                    self.accept(slot, cand, cand.sampler.sample(self.ctx, row), logits)
+                    entropy = entropies[row] if cand.monitor else None
+                    self.accept(slot, cand, cand.sampler.sample(self.ctx, row), entropy)
                     if self.budget:
                         self.budget.enforce(cand.seq)
         held = [seq for r in requests for seq in self.sequences(r.slot)]
@@ -248,7 +249,8 @@ class Generator:
             cand.sampler.free()
         return drafts
 
-    def accept(self, slot: int, cand: Draft, token: int, logits: np.ndarray | None) -> None:
+    def accept(self, slot: int, cand: Draft, token: int, entropy: float | None) -> None:
+        """Append a sampled token to cand (entropy: of the logits it was drawn from, for cand's monitor)."""
         cand.tokens.append(token)
         self.tokens_generated[slot] += 1
         if self.model.is_eog(token):
@@ -258,7 +260,7 @@ class Generator:
         piece = self.model.token_bytes(token)
         cand.text += piece
         cand.pending = token
-        if cand.monitor is not None and cand.monitor.update(logits, piece):
+        if cand.monitor is not None and cand.monitor.update(entropy, piece):
             cand.finished = "killed"
         elif cand.text.endswith(STEP_END):
             cand.finished = "step"
