@@ -4,8 +4,9 @@ share of wall time outside llama.cpp and the PRM.
 
 Solves the same problems at each concurrency in --ks (toy preset: held-out toy problems, KV-Rescue, N = 8,
 budget 64; --preset coder: GSM8K), then prints per K: problems/min from wall clock, accuracy, seconds in
-llama.cpp (per model), in the PRM and outside both (the engine's share; goal <= 10% at K = 16), and the
-ratio of the second K's problems/min to the first's (goal >= 3x for K = 8 vs 1).
+llama.cpp (per model: decoding, sampling, and memory and patch calls, the last also shown alone), in the
+PRM and outside both (the engine's Python; goal <= 10% at K = 16), and the ratio of the second K's
+problems/min to the first's (goal >= 3x for K = 8 vs 1).
 
 Usage: python3 perf/concurrency_perf.py [--preset toy|coder] [--problems 16] [--ks 1,8,16] [--mode kvrescue]
        [-n 8] [--budget 64] [--max-tokens T] [--prm PRM.gguf]
@@ -47,19 +48,21 @@ def main() -> None:
     print(f"preset {args.preset}: {mode} N={args.n} budget {args.budget}, {len(texts)} problems, "
           f"max {config.max_tokens} tokens")
     print(f"{'K':>3s} {'prob/min':>9s} {'acc %':>6s} {'wall s':>8s} {'llama base':>11s} {'llama helper':>13s} "
-          f"{'PRM':>7s} {'outside':>8s}")
+          f"{'(memory)':>9s} {'PRM':>7s} {'outside':>8s}")
     speeds = {}
     for k in [int(x) for x in args.ks.split(",")]:
         engine = Rescue(config, models.base, models.helper, models.prm, prompt_tokens_max=prompt_tokens, concurrency=k)
         llama = {name: g.llama_seconds for name, g in engine.sides.items()}
+        memory = sum(g.ctx.memory_seconds for g in engine.sides.values())
         started = time.perf_counter()
         correct = sum(dataset.grade(p.answer, t.answer) for p, t, _ in engine.run(dataset.problems, text=lambda p: p.problem))
         wall = time.perf_counter() - started
         llama = {name: g.llama_seconds - llama[name] for name, g in engine.sides.items()}
+        memory = sum(g.ctx.memory_seconds for g in engine.sides.values()) - memory
         outside = wall - sum(llama.values()) - engine.prm_seconds
         speeds[k] = 60 * len(texts) / wall
         print(f"{k:3d} {speeds[k]:9.2f} {100 * correct / len(texts):6.1f} {wall:8.2f} {llama.get('base', 0):11.2f} "
-              f"{llama.get('helper', 0):13.2f} {engine.prm_seconds:7.2f} {100 * outside / wall:7.1f}%")
+              f"{llama.get('helper', 0):13.2f} {memory:9.2f} {engine.prm_seconds:7.2f} {100 * outside / wall:7.1f}%")
         del engine  # its contexts go before the next K's are made
     first, second, *_ = list(speeds) + [None]
     if second is not None:
