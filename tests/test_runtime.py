@@ -62,7 +62,9 @@ def test_fork_decode_keep_winner_continues_like_a_straight_decode(base_model):
     forked.prefill(0, prompt)
     for seq in range(1, 4):
         forked.fork(0, seq)
+    assert forked.used_cells(range(4)) == len(prompt), "forks share the prompt's cells"
     forked.step([0, 1, 2, 3], [ord("w"), ord("x"), ord("y"), ord("z")])
+    assert forked.used_cells(range(4)) == len(prompt) + 4 and forked.used_cells([1, 3]) == len(prompt) + 2
     winner = 2
     forked.keep(winner)
     for loser in (0, 1, 3):

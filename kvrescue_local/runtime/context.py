@@ -225,8 +225,10 @@ class Context:
 
     def used_cells(self, seq_ids) -> int:
         """Cells held by any of seq_ids (forks share cells, so this is what they occupy together)."""
-        held = [self.cells(int(s))[0] for s in seq_ids]
-        return len(np.unique(np.concatenate(held))) if held else 0
+        held = np.zeros(self.n_ctx, bool)
+        for s in seq_ids:
+            held[self.cells(int(s))[0]] = True
+        return int(np.count_nonzero(held))
 
     @property
     def kv_bytes_per_cell(self) -> int:
