@@ -157,10 +157,25 @@ def test_pass1_degeneration_and_accuracy_recovered(tmp_path):
     assert s["kvrescue", 64].base_tok_s == pytest.approx(1000 / 4.0)
     assert s["full", None].degeneration == 0.0
     assert accuracy_recovered(80.0, 50.0, 50.0) is None
+    assert s["kvrescue", 64].recovered_full_n == 8
     text = render(rows)
     kv64 = next(line for line in table_lines(text, "Table 2: ablation") if line.startswith("kvrescue  64"))
     assert kv64.split()[4:8] == ["4", "50.0", "0.0", "0.0"] and kv64.split()[10] == "47.8" and kv64.split()[-1] == "50.0"
     assert "kvrescue b64 n8 streaming: KV-Rescue recovers 50% of the accuracy eviction costs, with 1.00x" in text
+
+
+def test_recovered_at_an_n_without_full_rows_compares_with_the_smallest_n_run(tmp_path):
+    lines = (SYNTHETIC + synthetic("full", 2, 0, [True, True, False, False])
+             + synthetic("bon", 4, 64, [False, False, False, False])
+             + synthetic("kvrescue", 4, 64, [True, False, False, False]))
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", lines))
+    s = {(x.key.mode, x.key.budget, x.key.n): x for x in summaries(rows)}
+    assert s["kvrescue", 64, 8].recovered == pytest.approx(50.0) and s["kvrescue", 64, 8].recovered_full_n == 8
+    four = s["kvrescue", 64, 4]
+    assert four.recovered_full_n == 2 and four.recovered == pytest.approx(50.0)  # (25 - 0) / (50 - 0)
+    t2 = table_lines(render(rows), "Table 2: ablation")
+    assert any("kvrescue b64 n4" in line and "(full KV at N = 2: none at N = 4)" in line for line in t2)
+    assert not any("kvrescue b64 n8" in line and "full KV at N" in line for line in t2)
 
 
 def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):

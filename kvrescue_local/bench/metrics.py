@@ -10,7 +10,8 @@
   column: a trajectory can hit the token cap long before 256 steps).
 - early exit: killed base candidates / all base candidates, pooled over problems.
 - accuracy recovered: (acc_kvrescue - acc_bon) / (acc_full - acc_bon) at the same dataset, budget,
-  N and policy (full: same dataset and N).
+  N and policy (full: same dataset and N; without a full row at that N, the full row of the smallest N,
+  the model's own accuracy at N = 1 when there is one, and the report names it).
 - oracle pick (the paper's Figure 1a): on the problems that both an evicted best-of-N row and the
   helper row of the same dataset and N solved, the share where either answer is right, and the part
   of the eviction gap that this bound closes, (acc_oracle - acc_bon) / (acc_full - acc_bon), with
@@ -183,6 +184,7 @@ class Summary:
     helper_tok_s: float | None
     steps_from: dict = field(default_factory=dict)  # committed steps per source, summed
     recovered: float | None = None  # %, kvrescue rows with matching full and bon rows
+    recovered_full_n: int | None = None  # the N of the full row `recovered` compares with
     base_token_ratio: float | None = None  # kvrescue rows: base tokens / the matching bon row's
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
 
@@ -251,10 +253,13 @@ def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
     for s in out:
         if s.key.mode != Mode.KVRESCUE:
             continue
-        f = reference(Mode.FULL, s, "n")
+        f = reference(Mode.FULL, s, "n") or min(
+            (r for r in out if r.key.mode == Mode.FULL and r.key.dataset == s.key.dataset and same_setup(r, s)),
+            key=lambda r: r.key.n, default=None)
         b = reference(Mode.BON, s, "budget", "n", "policy")
         if f and b:
             s.recovered = accuracy_recovered(s.pass1, b.pass1, f.pass1)
+            s.recovered_full_n = f.key.n
             s.base_token_ratio = s.base_tokens / b.base_tokens if b.base_tokens > 0 else None
     return out
 
