@@ -27,9 +27,11 @@ from kvrescue_local.runtime.attention import enable_scores, observe_scores
 SETTINGS = ("off", "all", "none")
 
 
-def microseconds_per_token(model: Model, k: int, n: int, prefix: int, steps: int, scores: str, window: int) -> float:
+def microseconds_per_token(model: Model, k: int, n: int, prefix: int, steps: int, scores: str, window: int,
+                           flash_attn: str = "off") -> float:
     n_seq = k * (n + 1)
-    ctx = Context(model, ContextParams(n_ctx=k * (prefix + n * (steps + 2)) + 256, n_seq_max=n_seq))
+    ctx = Context(model, ContextParams(n_ctx=k * (prefix + n * (steps + 2)) + 256, n_seq_max=n_seq,
+                                       flash_attn=flash_attn))
     if scores != "off":
         enable_scores(ctx, window)
         observe_scores(ctx, -1, scores == "all")
@@ -60,13 +62,16 @@ def main() -> None:
     parser.add_argument("--buffer", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", type=Path, help="a GGUF [default: the toy base]")
+    parser.add_argument("--flash-attn", choices=("off", "on"), default="off")
     args = parser.parse_args()
     model = Model(args.model or load_preset("toy").base)
-    print(f"{model.describe()}: N={args.n} candidates per problem, {args.prefix}-token prefixes, {args.steps} steps")
+    print(f"{model.describe()}: N={args.n} candidates per problem, {args.prefix}-token prefixes, {args.steps} steps, "
+          f"flash attention {args.flash_attn}")
     print(f"{'K':>3s} {'no scores':>10s} {'all observed':>13s} {'none observed':>14s} {'window policy':>14s}  us/token")
     for k in [int(x) for x in args.ks.split(",")]:
         # the best of interleaved repeats: other processes on the cores slow single runs, not all of them
-        runs = [(s, microseconds_per_token(model, k, args.n, args.prefix, args.steps, s, args.window))
+        runs = [(s, microseconds_per_token(model, k, args.n, args.prefix, args.steps, s, args.window,
+                                          args.flash_attn))
                 for _ in range(args.repeats) for s in SETTINGS]
         cost = {s: min(t for name, t in runs if name == s) for s in SETTINGS}
         windowed = (args.window * cost["all"] + (args.buffer - args.window) * cost["none"]) / args.buffer

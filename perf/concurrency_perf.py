@@ -9,13 +9,14 @@ PRM and outside both (the engine's Python; goal <= 10% at K = 16), and the ratio
 problems/min to the first's (goal >= 3x for K = 8 vs 1).
 
 Usage: python3 perf/concurrency_perf.py [--preset toy|coder] [--problems 16] [--ks 1,8,16] [--mode kvrescue]
-       [-n 8] [--budget 64] [--max-tokens T] [--prm PRM.gguf]
+       [-n 8] [--budget 64] [--max-tokens T] [--prm PRM.gguf] [--flash-attn off|on|concurrent]
 (the preset's PRM unless --prm names another)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from kvrescue_local.bench.datasets import load_dataset
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, help="trajectory cap [default: the preset's]")
     parser.add_argument("--prm", help="a PRM GGUF [default: the preset's]")
+    parser.add_argument("--flash-attn", choices=("off", "on", "concurrent"),
+                        help="concurrent: off at K = 1, on above (the faster of each on a CPU) [default: the preset's]")
     args = parser.parse_args()
     mode = Mode.parse(args.mode)
     options = {"preset": args.preset, "base": None, "helper": None, "prm": args.prm}
@@ -40,6 +43,8 @@ def main() -> None:
     overrides = {"mode": mode, "n": args.n, "kv": {"budget": args.budget}}
     if args.max_tokens:
         overrides["max_tokens"] = args.max_tokens
+    if args.flash_attn in ("on", "off"):  # the PRM's first context is made with it
+        overrides["flash_attn"] = args.flash_attn
     config = selection.config({}, **overrides)
     dataset = load_dataset("toy" if args.preset == "toy" else "gsm8k", limit=args.problems)
     texts = [p.problem for p in dataset.problems]
@@ -47,10 +52,14 @@ def main() -> None:
     prompt_tokens = longest_prompt(config, [models.base, models.helper], texts)
     print(f"preset {args.preset}: {mode} N={args.n} budget {args.budget}, {len(texts)} problems, "
           f"max {config.max_tokens} tokens")
-    print(f"{'K':>3s} {'prob/min':>9s} {'acc %':>6s} {'wall s':>8s} {'llama base':>11s} {'llama helper':>13s} "
+    print(f"{'K':>3s} {'FA':>3s} {'prob/min':>9s} {'acc %':>6s} {'wall s':>8s} {'llama base':>11s} {'llama helper':>13s} "
           f"{'(memory)':>9s} {'PRM':>7s} {'outside':>8s}")
     speeds = {}
     for k in [int(x) for x in args.ks.split(",")]:
+        flash_attn = ("on" if k > 1 else "off") if args.flash_attn == "concurrent" else args.flash_attn or config.flash_attn
+        config = dataclasses.replace(config, flash_attn=flash_attn)
+        if models.prm:  # reserve() makes its context for another K with these params
+            models.prm.params = dataclasses.replace(models.prm.params, flash_attn=flash_attn)
         engine = Rescue(config, models.base, models.helper, models.prm, prompt_tokens_max=prompt_tokens, concurrency=k)
         llama = {name: g.llama_seconds for name, g in engine.sides.items()}
         memory = sum(g.ctx.memory_seconds for g in engine.sides.values())
@@ -61,7 +70,7 @@ def main() -> None:
         memory = sum(g.ctx.memory_seconds for g in engine.sides.values()) - memory
         outside = wall - sum(llama.values()) - engine.prm_seconds
         speeds[k] = 60 * len(texts) / wall
-        print(f"{k:3d} {speeds[k]:9.2f} {100 * correct / len(texts):6.1f} {wall:8.2f} {llama.get('base', 0):11.2f} "
+        print(f"{k:3d} {flash_attn:>3s} {speeds[k]:9.2f} {100 * correct / len(texts):6.1f} {wall:8.2f} {llama.get('base', 0):11.2f} "
               f"{llama.get('helper', 0):13.2f} {memory:9.2f} {engine.prm_seconds:7.2f} {100 * outside / wall:7.1f}%")
         del engine  # its contexts go before the next K's are made
     first, second, *_ = list(speeds) + [None]

@@ -90,6 +90,9 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
         concurrency = min(fits, DEFAULT_CONCURRENCY_CAP) if template.n_gpu_layers else 1
     note(f"concurrency {concurrency} (at most {fits} fit in {allowed / GIB:.2f} GiB of KV memory; "
          f"{'' if template.n_gpu_layers else 'on a CPU the default is 1; '}--concurrency, --memory)")
+    if concurrency > 1 and template.flash_attn != "on" and not template.n_gpu_layers:
+        note("on a CPU, --flash-attn on decodes several problems at once about 2x faster (README, Table 3); with it a "
+             "trajectory depends on its batch mates by rounding, as it does not with it off")
     total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 
