@@ -134,15 +134,16 @@ def test_a_stopped_concurrent_sweep_resumes_without_losing_or_duplicating_a_row(
 def test_table3_reports_problems_per_minute_and_kv_bytes_per_concurrency(base_path, helper_path, tiny_prm_path,
                                                                           tmp_path):
     files = []
-    for k in (1, 3):
-        results = tmp_path / f"k{k}.jsonl"
+    for k, flash_attn in ((1, None), (3, None), (3, "on")):
+        results = tmp_path / f"k{k}-{flash_attn}.jsonl"
         args = bench_args(base_path, helper_path, tiny_prm_path, results, "--concurrency", str(k))
         args[args.index("--limit") + 1] = "6"
         args[args.index("--modes") + 1] = "full,bon,kvrescue"
-        run = CliRunner().invoke(main, args)
+        run = CliRunner().invoke(main, args + (["--flash-attn", flash_attn] if flash_attn else []))
         assert run.exit_code == 0, run.output
         # several problems at once on a CPU: the faster kernel is named, never switched on behind the user's back
-        assert ("--flash-attn on decodes several problems at once" in run.output) == (k > 1)
+        assert ("--flash-attn on decodes several problems at once" in run.output) == (k > 1 and not flash_attn)
+        assert {json.loads(line)["engine"]["flash_attn"] for line in open(results)} == {flash_attn or "off"}
         files.append(str(results))
     rows = [json.loads(line) for f in files for line in open(f)]
     assert all(sum(r["engine"]["kv_peak_bytes"].values()) > 0 for r in rows)
@@ -153,4 +154,5 @@ def test_table3_reports_problems_per_minute_and_kv_bytes_per_concurrency(base_pa
     assert " 6 " in table2 and " 12 " not in table2, "Table 2 counts each problem once, whatever K ran it"
     table3 = report.output.split("Table 3")[1]
     for mode in ("full", "bon", "kvrescue"):
-        assert sum(line.split()[:1] == [mode] for line in table3.splitlines()) >= 2, f"{mode} at K = 1 and 3"
+        runs = [line.split()[3:5] for line in table3.splitlines() if line.split()[:1] == [mode]]
+        assert runs == [["1", "off"], ["3", "off"], ["3", "on"]], f"{mode}: K = 1, and K = 3 with each kernel apart"

@@ -229,22 +229,23 @@ def _throughput_cells(t: Throughput) -> list[str]:
 
 
 def table3(items: list[Throughput]) -> Table:
-    headers = ["mode", "budget", "N", "K", "problems", "pass@1 %", "prob/min", "vs bon", "peak KV MiB",
+    headers = ["mode", "budget", "N", "K", "FA", "problems", "pass@1 %", "prob/min", "vs bon", "peak KV MiB",
                "base / helper / PRM MiB", "KV MiB per problem"]
     rows = []
     for t in items:
-        bon = next((b for b in items if b.key.mode == "bon" and b.concurrency == t.concurrency and
-                    same_axes(b.key, t.key)), None)
+        bon = next((b for b in items if b.key.mode == "bon" and same_axes(b.key, t.key) and
+                    (b.concurrency, b.flash_attn) == (t.concurrency, t.flash_attn)), None)
         ratio = t.per_minute / bon.per_minute if t.key.mode == "kvrescue" and bon and bon.per_minute and \
             t.per_minute else None
         parts = " / ".join(fmt(t.kv_parts[p] / MIB, 2) if p in t.kv_parts else "-" for p in ("base", "helper", "prm"))
-        rows.append(_throughput_cells(t) + [str(t.concurrency), str(t.problems), fmt(t.pass1), fmt(t.per_minute, 2),
-                                        fmt(ratio, 2) + ("x" if ratio else ""), fmt(t.kv_peak / MIB, 2), parts,
-                                        fmt(t.kv_per_problem / MIB, 3)])
-    notes = ["K: problems solved at once; prob/min: problems / wall-clock seconds at that K (runs summed); vs bon: "
-             "KV-Rescue's prob/min over evicted best-of-N's at the same budget, N and K; peak KV: the most bytes "
-             "the KV caches held at the end of a round (shared cells once), base + helper + PRM."]
-    return Table("Table 3: throughput and KV memory by concurrency", headers, rows, ["l"] * 3 + ["r"] * 8, notes)
+        rows.append(_throughput_cells(t) + [str(t.concurrency), t.flash_attn, str(t.problems), fmt(t.pass1),
+                                            fmt(t.per_minute, 2), fmt(ratio, 2) + ("x" if ratio else ""),
+                                            fmt(t.kv_peak / MIB, 2), parts, fmt(t.kv_per_problem / MIB, 3)])
+    notes = ["K: problems solved at once; FA: flash attention (on a CPU faster at K > 1, slower at K = 1); prob/min: "
+             "problems / wall-clock seconds at that K (runs summed); vs bon: KV-Rescue's prob/min over evicted "
+             "best-of-N's at the same budget, N, K and FA; peak KV: the most bytes the KV caches held at the end of a "
+             "round (shared cells once), base + helper + PRM."]
+    return Table("Table 3: throughput and KV memory by concurrency", headers, rows, ["l"] * 3 + ["r"] * 9, notes)
 
 
 def memory_capped(items: list[Throughput], cap: int | None = None) -> Table:
@@ -261,12 +262,13 @@ def memory_capped(items: list[Throughput], cap: int | None = None) -> Table:
         best = max(measured, key=lambda t: t.per_minute) if measured else None
         rows.append([key.mode, "-" if key.budget is None else str(key.budget), str(key.n),
                      fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if best is None else str(best.concurrency),
-                     "-" if best is None else fmt(best.per_minute, 2)])
+                     "-" if best is None else best.flash_attn, "-" if best is None else fmt(best.per_minute, 2)])
     notes = [f"At {cap / MIB:,.2f} MiB of KV caches (base, helper and PRM counted): fits = that budget / KV per "
-             "problem (peak / K at the largest K measured); prob/min: the best measured at a K that fits (at K)."]
+             "problem (peak / K at the largest K measured); prob/min: the best measured at a K that fits (at K, with "
+             "flash attention FA)."]
     return Table(f"Table 3, memory-capped: problems at once in {cap / MIB:,.2f} MiB of KV",
-                 ["mode", "budget", "N", "KV MiB per problem", "fits", "at K", "prob/min"], rows,
-                 ["l"] * 3 + ["r"] * 4, notes)
+                 ["mode", "budget", "N", "KV MiB per problem", "fits", "at K", "FA", "prob/min"], rows,
+                 ["l"] * 3 + ["r"] * 5, notes)
 
 
 def report(path: str | Path, markdown: bool = False) -> str:

@@ -134,7 +134,7 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
                                        dataset.grade(problem.answer, trajectory.answer), axis.key,
                                        results_config(axis, engine.config), trajectory)
                     line["setup"] = setups[axis]
-                    line["engine"] = {"concurrency": concurrency, "run": run_id,
+                    line["engine"] = {"concurrency": concurrency, "flash_attn": engine.config.flash_attn, "run": run_id,
                                       "elapsed": round(time.perf_counter() - started, 4),
                                       "kv_peak_bytes": engine.peak_kv_bytes()}
                     if error:
