@@ -87,6 +87,10 @@ def test_full_kv_greedy_gsm8k_answer_is_correct(coder):
 
 
 def test_the_coder_prm_is_the_helper_read_in_its_own_prompt_with_the_shipped_head(coder):
+    """Candidates scored inside the loop (forked from the committed prefix, two in one decode) read the hidden states
+    of the same trajectories encoded whole. Not to the bit: the batch's layout moves the 0.5B's final hidden state by
+    ~2.5% (llama.cpp's CPU kernels; README, "A PRM for the coder pair"), while a candidate that missed its committed
+    step, or sits one step late, is ~25% off: the bound between them tells right wiring from wrong."""
     from kvrescue_local.paths import SHIPPED_MODELS
     from kvrescue_local.prm import PRM, PRMParams
 
@@ -98,7 +102,16 @@ def test_the_coder_prm_is_the_helper_read_in_its_own_prompt_with_the_shipped_hea
              "So the total is 2 + 4 = \\boxed{6} bolts."]
     prm.start(PROBLEM)
     prm.commit(steps[0])
-    together = prm.score(steps[1:])
-    assert ((together > 0) & (together < 1)).all()
-    np.testing.assert_allclose(together, prm.score_trajectory(PROBLEM, steps)[1:2].tolist() +
-                               prm.score_trajectory(PROBLEM, [steps[0], steps[2]])[1:].tolist(), atol=0.02)
+    together = prm.candidate_hidden(steps[1:])
+    whole = np.stack([prm.trajectory_hidden(PROBLEM, [steps[0], step])[1] for step in steps[1:]])
+    wrong = np.stack([prm.trajectory_hidden(PROBLEM, [step])[0] for step in steps[1:]] +
+                     [prm.trajectory_hidden(PROBLEM, ["So, ", steps[0], step])[2] for step in steps[1:]])
+
+    def off(a, b):
+        return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+    assert (off(together, whole) < 0.05).all(), off(together, whole)
+    assert (off(wrong, np.concatenate([whole, whole])) > 0.15).all(), off(wrong, np.concatenate([whole, whole]))
+    rewards = prm.rewards(together)
+    assert ((rewards > 0) & (rewards < 1)).all()
+    np.testing.assert_allclose(rewards, prm.rewards(whole), atol=0.05)
