@@ -178,6 +178,21 @@ def test_recovered_at_an_n_without_full_rows_compares_with_the_smallest_n_run(tm
     assert not any("kvrescue b64 n8" in line and "full KV at N" in line for line in t2)
 
 
+def test_recovered_counts_only_the_problems_all_three_configurations_ran(tmp_path):
+    """A sweep in progress: full KV has run two problems more than bon and kvrescue (both right); they must not
+    raise full's accuracy in the recovered share, and the note says on how many problems it is."""
+    extra = synthetic("full", 8, 0, [False, False, False, False, True, True])[4:]
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", SYNTHETIC + extra))
+    s = {(x.key.mode, x.key.budget): x for x in summaries(rows)}
+    assert s["full", None].problems == 6 and s["full", None].pass1 == pytest.approx(100 * 5 / 6)
+    assert s["kvrescue", 64].recovered == pytest.approx(50.0)  # (50 - 25) / (75 - 25) on q0-q3, as without them
+    assert s["kvrescue", 64].recovered_problems == 4
+    assert s["kvrescue", 64].base_token_ratio == pytest.approx(1.0)
+    text = render(rows)
+    assert ("kvrescue b64 n8 streaming: KV-Rescue recovers 50% of the accuracy eviction costs, with 1.00x the base "
+            "tokens of evicted best-of-N, on the 4 problems all three ran") in text
+
+
 def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
     chosen = synthetic("kvrescue", 4, 64, [True, True, True, False])
     drawn = synthetic("kvrescue", 4, 64, [True, False, False])  # q3 not run at random: left out

@@ -11,7 +11,8 @@
 - early exit: killed base candidates / all base candidates, pooled over problems.
 - accuracy recovered: (acc_kvrescue - acc_bon) / (acc_full - acc_bon) at the same dataset, budget,
   N and policy (full: same dataset and N; without a full row at that N, the full row of the smallest N,
-  the model's own accuracy at N = 1 when there is one, and the report names it).
+  the model's own accuracy at N = 1 when there is one, and the report names it), each accuracy on the
+  problems all three ran (a sweep in progress has more rows of some configurations); the base-token ratio too.
 - oracle pick (the paper's Figure 1a): on the problems that both an evicted best-of-N row and the
   helper row of the same dataset and N solved, the share where either answer is right, and the part
   of the eviction gap that this bound closes, (acc_oracle - acc_bon) / (acc_full - acc_bon), with
@@ -183,8 +184,9 @@ class Summary:
     base_tok_s: float | None
     helper_tok_s: float | None
     steps_from: dict = field(default_factory=dict)  # committed steps per source, summed
-    recovered: float | None = None  # %, kvrescue rows with matching full and bon rows
+    recovered: float | None = None  # %, kvrescue rows with matching full and bon rows, on the problems all ran
     recovered_full_n: int | None = None  # the N of the full row `recovered` compares with
+    recovered_problems: int | None = None  # the problems kvrescue, bon and full all ran, which `recovered` counts
     base_token_ratio: float | None = None  # kvrescue rows: base tokens / the matching bon row's
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
 
@@ -244,7 +246,8 @@ def same_setup(a: Summary, b: Summary) -> bool:
 
 
 def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
-    out = [summarize(key, group) for key, group in group_rows(rows, pool_setups).items()]
+    groups = group_rows(rows, pool_setups)
+    out = [summarize(key, group) for key, group in groups.items()]
 
     def reference(mode: Mode, s: Summary, *axes: str) -> Summary | None:
         return next((r for r in out if r.key.mode == mode and r.key.dataset == s.key.dataset and
@@ -258,10 +261,23 @@ def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
             key=lambda r: r.key.n, default=None)
         b = reference(Mode.BON, s, "budget", "n", "policy")
         if f and b:
-            s.recovered = accuracy_recovered(s.pass1, b.pass1, f.pass1)
+            recover(s, groups[s.key], groups[b.key], groups[f.key])
             s.recovered_full_n = f.key.n
-            s.base_token_ratio = s.base_tokens / b.base_tokens if b.base_tokens > 0 else None
     return out
+
+
+def recover(s: Summary, kvrescue: list[dict], bon: list[dict], full: list[dict]) -> None:
+    """The accuracy recovered and the base-token ratio, on the problems all three configurations ran (a sweep
+    in progress has more rows of some than of others)."""
+    common = set.intersection(*({str(r["id"]) for r in rows} for rows in (kvrescue, bon, full)))
+    if not common:
+        return
+    pick = lambda rows: [r for r in rows if str(r["id"]) in common]  # noqa: E731
+    accuracy = lambda rows: 100.0 * sum(bool(r["correct"]) for r in pick(rows)) / len(common)  # noqa: E731
+    base_tokens = lambda rows: sum(float(r["tokens"].get("base") or 0.0) for r in pick(rows))  # noqa: E731
+    s.recovered = accuracy_recovered(accuracy(kvrescue), accuracy(bon), accuracy(full))
+    s.recovered_problems = len(common)
+    s.base_token_ratio = base_tokens(kvrescue) / base_tokens(bon) if base_tokens(bon) > 0 else None
 
 
 def setup_notes(items: list[Summary]) -> list[str]:

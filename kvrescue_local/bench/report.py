@@ -161,14 +161,15 @@ def table2(items: list[Summary]) -> Table:
     notes = setups + ["degen %: wrong and >= 256 committed steps (or the step cap, if lower), among all trajectories; "
              "cap %: stopped by the token or step cap; helper steps %: of the committed steps, the helper's; "
              "early exit %: killed / all base candidates; "
-             "recovered %: (kvrescue - bon) / (full - bon) pass@1 at the same budget and N (full: at the smallest N "
-             "run when not at that N, named below); tokens and seconds are "
+             "recovered %: (kvrescue - bon) / (full - bon) pass@1 at the same budget and N, on the problems all three "
+             "ran (full: at the smallest N run when not at that N, named below); tokens and seconds are "
              "means per problem; prob/min = problems / summed wall time."]
     for s in items:
         if s.recovered is not None:
             full = "" if s.recovered_full_n == s.key.n else f" (full KV at N = {s.recovered_full_n}: none at N = {s.key.n})"
             notes.append(f"{s.key.label}: KV-Rescue recovers {s.recovered:.0f}% of the accuracy eviction costs{full}, "
-                         f"with {fmt(s.base_token_ratio, 2)}x the base tokens of evicted best-of-N")
+                         f"with {fmt(s.base_token_ratio, 2)}x the base tokens of evicted best-of-N, on the "
+                         f"{s.recovered_problems} problems all three ran")
     return Table("Table 2: ablation", headers, rows, align, notes)
 
 
