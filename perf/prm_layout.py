@@ -22,8 +22,9 @@ from kvrescue_local.prm import PRM, PRMParams
 
 def rounds(path: str, config_key: str):
     """(problem, committed steps before the round, the round's distinct survivors, their recorded scores)."""
-    for line in open(path, encoding="utf-8"):
-        row = json.loads(line)
+    with open(path, encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines]
+    for row in rows:
         if row["config_key"] != config_key or row["config"].get("choice", "prm") != "prm" or "trajectory" not in row:
             continue
         steps = row["trajectory"]["steps"]

@@ -269,15 +269,16 @@ def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
 def recover(s: Summary, kvrescue: list[dict], bon: list[dict], full: list[dict]) -> None:
     """The accuracy recovered and the base-token ratio, on the problems all three configurations ran (a sweep
     in progress has more rows of some than of others)."""
-    common = set.intersection(*({str(r["id"]) for r in rows} for rows in (kvrescue, bon, full)))
+    correct = [correct_by_id(rows) for rows in (kvrescue, bon, full)]
+    common = set.intersection(*(set(c) for c in correct))
     if not common:
         return
-    pick = lambda rows: [r for r in rows if str(r["id"]) in common]  # noqa: E731
-    accuracy = lambda rows: 100.0 * sum(bool(r["correct"]) for r in pick(rows)) / len(common)  # noqa: E731
-    base_tokens = lambda rows: sum(float(r["tokens"].get("base") or 0.0) for r in pick(rows))  # noqa: E731
-    s.recovered = accuracy_recovered(accuracy(kvrescue), accuracy(bon), accuracy(full))
+    accuracy = [100.0 * sum(c[i] for i in common) / len(common) for c in correct]
+    base_tokens = [sum(float(r["tokens"].get("base") or 0.0) for r in rows if str(r["id"]) in common)
+                   for rows in (kvrescue, bon)]
+    s.recovered = accuracy_recovered(*accuracy)
     s.recovered_problems = len(common)
-    s.base_token_ratio = base_tokens(kvrescue) / base_tokens(bon) if base_tokens(bon) > 0 else None
+    s.base_token_ratio = base_tokens[0] / base_tokens[1] if base_tokens[1] > 0 else None
 
 
 def setup_notes(items: list[Summary]) -> list[str]:
