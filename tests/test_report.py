@@ -229,6 +229,24 @@ def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_ran(tmp_
     assert oracles(load_results(write_jsonl(tmp_path / "t.jsonl", rows))) == [], "other settings: not comparable"
 
 
+def test_table3_keeps_random_choice_apart_and_names_it(tmp_path):
+    """KV-Rescue choosing at random loads no PRM: its Table 3 rows are its own, labelled as in Table 2."""
+    rows = []
+    for choice, kv_parts in (("prm", {"base": 3, "helper": 2, "prm": 1}), ("random", {"base": 3, "helper": 2})):
+        for row in synthetic("kvrescue", 4, 64, [True, False]):
+            row["config"]["choice"] = choice
+            row["engine"] = {"concurrency": 1, "run": choice, "elapsed": 30.0, "flash_attn": "off",
+                             "kv_peak_bytes": {part: size * 2**20 for part, size in kv_parts.items()}}
+            rows.append(row)
+    text = render(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
+    table3 = table_lines(text, "Table 3: throughput")
+    capped = table_lines(text, "Table 3, memory-capped")
+    for label, parts in (("kvrescue ", "3.00 / 2.00 / 1.00"), ("kvrescue/random ", "3.00 / 2.00 / -")):
+        assert sum(line.startswith(label) for line in table3) == 1 and any(
+            line.startswith(label) and parts in line for line in table3)
+        assert sum(line.startswith(label) for line in capped) == 1
+
+
 def test_degeneration_is_recomputed_from_the_steps_and_the_step_cap(tmp_path):
     """Old lines carry other definitions of `degenerate`: the report ignores the field. A configuration
     whose step cap is below 256 (the toy world's 32) is judged at its cap."""

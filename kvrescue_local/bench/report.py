@@ -225,8 +225,8 @@ def render(rows: list[dict], markdown: bool = False, pool_setups: bool = False, 
     return "\n\n".join(t.markdown() if markdown else t.text() for t in tables) + "\n"
 
 
-def _throughput_cells(t: Throughput) -> list[str]:
-    return [t.key.mode, "-" if t.key.budget is None else str(t.key.budget), str(t.key.n)]
+def _throughput_cells(key: ConfigKey) -> list[str]:
+    return [key.mode_label, "-" if key.budget is None else str(key.budget), str(key.n)]
 
 
 def table3(items: list[Throughput]) -> Table:
@@ -239,7 +239,7 @@ def table3(items: list[Throughput]) -> Table:
         ratio = t.per_minute / bon.per_minute if t.key.mode == "kvrescue" and bon and bon.per_minute and \
             t.per_minute else None
         parts = " / ".join(fmt(t.kv_parts[p] / MIB, 2) if p in t.kv_parts else "-" for p in ("base", "helper", "prm"))
-        rows.append(_throughput_cells(t) + [str(t.concurrency), t.flash_attn, str(t.problems), fmt(t.pass1),
+        rows.append(_throughput_cells(t.key) + [str(t.concurrency), t.flash_attn, str(t.problems), fmt(t.pass1),
                                             fmt(t.per_minute, 2), fmt(ratio, 2) + ("x" if ratio else ""),
                                             fmt(t.kv_peak / MIB, 2), parts, fmt(t.kv_per_problem / MIB, 3)])
     notes = ["K: problems solved at once; FA: flash attention (on a CPU faster at K > 1, slower at K = 1); prob/min: "
@@ -261,8 +261,7 @@ def memory_capped(items: list[Throughput], cap: int | None = None) -> Table:
         fits = int(cap // biggest.kv_per_problem) if biggest.kv_per_problem > 0 else 0
         measured = [t for t in items if t.key == key and t.concurrency <= fits and t.per_minute]
         best = max(measured, key=lambda t: t.per_minute) if measured else None
-        rows.append([key.mode, "-" if key.budget is None else str(key.budget), str(key.n),
-                     fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if best is None else str(best.concurrency),
+        rows.append(_throughput_cells(key) + [fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if best is None else str(best.concurrency),
                      "-" if best is None else best.flash_attn, "-" if best is None else fmt(best.per_minute, 2)])
     notes = [f"At {cap / MIB:,.2f} MiB of KV caches (base, helper and PRM counted): fits = that budget / KV per "
              "problem (peak / K at the largest K measured); prob/min: the best measured at a K that fits (at K, with "
