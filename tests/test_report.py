@@ -242,9 +242,9 @@ def test_table3_keeps_random_choice_apart_and_names_it(tmp_path):
     table3 = table_lines(text, "Table 3: throughput")
     capped = table_lines(text, "Table 3, memory-capped")
     for label, parts in (("kvrescue ", "3.00 / 2.00 / 1.00"), ("kvrescue/random ", "3.00 / 2.00 / -")):
-        assert sum(line.startswith(label) for line in table3) == 1 and any(
-            line.startswith(label) and parts in line for line in table3)
-        assert sum(line.startswith(label) for line in capped) == 1
+        (line,) = [line for line in table3 if line.startswith(label)]
+        assert parts in line
+        assert len([line for line in capped if line.startswith(label)]) == 1
 
 
 def test_degeneration_is_recomputed_from_the_steps_and_the_step_cap(tmp_path):

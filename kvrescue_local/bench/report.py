@@ -261,8 +261,9 @@ def memory_capped(items: list[Throughput], cap: int | None = None) -> Table:
         fits = int(cap // biggest.kv_per_problem) if biggest.kv_per_problem > 0 else 0
         measured = [t for t in items if t.key == key and t.concurrency <= fits and t.per_minute]
         best = max(measured, key=lambda t: t.per_minute) if measured else None
-        rows.append(_throughput_cells(key) + [fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if best is None else str(best.concurrency),
-                     "-" if best is None else best.flash_attn, "-" if best is None else fmt(best.per_minute, 2)])
+        rows.append(_throughput_cells(key) + [
+            fmt(biggest.kv_per_problem / MIB, 3), str(fits), "-" if best is None else str(best.concurrency),
+            "-" if best is None else best.flash_attn, "-" if best is None else fmt(best.per_minute, 2)])
     notes = [f"At {cap / MIB:,.2f} MiB of KV caches (base, helper and PRM counted): fits = that budget / KV per "
              "problem (peak / K at the largest K measured); prob/min: the best measured at a K that fits (at K, with "
              "flash attention FA)."]
