@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -12,14 +13,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_pip_install_then_offline_solve_outside_the_source_tree(tmp_path):
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     python = env_dir / "bin" / "python"
+    # The new environment sees this one's packages (the patched llama.cpp, numpy, the build backend of the
+    # dev extra), whether this one is a venv or the base interpreter; its own site-packages come first.
+    outer = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    inner = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    Path(inner, "outer-environment.pth").write_text("".join(f"{path}\n" for path in sorted(outer)))
     source = tmp_path / "source"  # a copy: setuptools builds in the tree it installs from
     for name in ("kvrescue_local", "models"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    # the build backend and pip of this interpreter, installing into the new environment (no network)
+    # pip and the build backend (setuptools, from the dev extra) of this environment, no network
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
                               "--no-build-isolation", "--quiet", str(source)], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-3000:]
