@@ -6,7 +6,7 @@
   2. batching: 8 candidates decoded in one llama_decode per token vs one call per candidate;
   3. the share of `solve` wall time outside llama.cpp and the PRM, per mode, on a GSM8K problem.
 
-Usage (the defaults are the issue's sizes; pass smaller ones on a busy machine):
+Usage (the defaults are the target sizes: 1,000 tokens, N = 4 and 8, every policy; pass smaller ones on a busy machine):
   KVRESCUE_THREADS=1 python3 perf/real_perf.py [--tokens 1000] [--sequences 4,8] [--budgets 64,256]
       [--policies rkv,snapkv,h2o,streaming] [--batch-steps 64] [--solve-tokens 256] [--prm PRM.gguf]
 """

@@ -1,4 +1,4 @@
-"""Results you can trust (issue 19): a clean tail, one writer, no silent mixing of setups, one-line errors
+"""Results you can trust: a clean tail, one writer, no silent mixing of setups, one-line errors
 checked before model work, limits stated up front, and a thread default that survives a busy CPU."""
 
 import errno

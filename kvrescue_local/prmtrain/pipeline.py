@@ -1,6 +1,6 @@
 """`kvrescue-local prm train` and `prm eval` in stages, each resumable:
 
-1. rollouts: `bench run` on the training split (the sweep the lead runs for Table 2: full, bon and helper,
+1. rollouts: `bench run` on the training split (the settings of the Table 2 sweep: full, bon and helper,
    budgets 64 and 128, N = 1, 768 tokens), appended to a results file and resumed like any sweep;
 2. features: the PRM backbone's hidden states at each labelled step (features.py), cached per row;
 3. train: a value head in numpy (fit.py), written where the preset looks for it.
