@@ -1,41 +1,156 @@
-"""Input and output files checked before any model work: a bad path ends in one `Error:` line, not a traceback
-after minutes of solving."""
+"""Every file the project reads or writes goes through here, checked before any model work: a bad path ends
+in one `Error:` line, not a traceback after minutes of solving, and a write never loses what was there.
+
+The one writer (`write_output`): a symlink is written at its target; a regular file is replaced atomically
+(a temporary file beside it, fsynced, renamed over it), so a crash or Ctrl-C leaves the old file or the new
+one, never half of one; a character device (/dev/null) or a FIFO is written through and never replaced; any
+other kind of file is refused. A missing folder is an error: a mistyped path never creates directories.
+"""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import stat
 from pathlib import Path
 
 from .errors import KVRescueError
 
+KINDS = {stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+         stat.S_IFIFO: "a FIFO"}
 
-def check_writable(path: Path, option: str) -> Path:
-    """Refuse an output path that cannot be written (missing permission, a directory, /proc, a read-only disk)."""
+
+def kind_of(mode: int) -> str:
+    return KINDS.get(stat.S_IFMT(mode), "not a regular file")
+
+
+def output_target(path: str | Path, option: str, special: bool = True) -> tuple[Path, os.stat_result | None]:
+    """Where writing path lands (a symlink's target, followed) and its stat (None: not there yet). Refused: a
+    directory, a missing folder, a block device or socket, and (special=False) a character device or FIFO."""
     path = Path(path)
-    if path.is_dir():
-        raise KVRescueError(f"{option} {path} is a directory: name a file inside it")
-    folder = path.parent
+    target = Path(os.path.realpath(path))
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".{path.name}.{os.getpid()}.probe"
+        info = target.stat()
+    except FileNotFoundError:
+        info = None
+    except OSError as exc:
+        raise KVRescueError(f"cannot write {option} {path} ({exc.strerror}): choose another path") from None
+    if info is not None and stat.S_ISDIR(info.st_mode):
+        raise KVRescueError(f"{option} {path} is a directory: name a file inside it")
+    if info is None and not target.parent.is_dir():
+        raise KVRescueError(f"{option} {path}: the folder {target.parent} does not exist: create it first or "
+                            "choose a path in an existing folder")
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        through = stat.S_ISCHR(info.st_mode) or stat.S_ISFIFO(info.st_mode)
+        if not (special and through):
+            raise KVRescueError(f"{option} {path} is {kind_of(info.st_mode)}, not a regular file: name a regular "
+                                "file (or one not there yet)")
+    return target, info
+
+
+def check_writable(path: str | Path, option: str, special: bool = True) -> Path:
+    """Refuse an output path that cannot be written (missing permission or folder, a directory, /proc, a
+    read-only disk, a block device; a character device or FIFO only where special) before any work."""
+    path = Path(path)
+    target, info = output_target(path, option, special)
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        if not os.access(target, os.W_OK):
+            raise KVRescueError(f"cannot write {option} {path} (permission denied): choose another path")
+        return path
+    probe = target.parent / f".{target.name}.{os.getpid()}.probe"
+    try:
         probe.write_bytes(b"")
         probe.unlink()
-        if path.exists():
-            path.open("ab").close()
+        if info is not None:
+            target.open("ab").close()
     except OSError as exc:
+        probe.unlink(missing_ok=True)
         raise KVRescueError(f"cannot write {option} {path} ({exc.strerror}): choose a path in a writable "
                             "folder") from None
     return path
 
 
-def read_utf8(path: Path, what: str) -> str:
-    """A text file's contents; bytes that are not UTF-8 are refused with their offset."""
-    data = Path(path).read_bytes()
+def write_through(target: Path, data: bytes, fifo: bool, option: str) -> None:
+    """Write into a character device or FIFO as it is: it is never replaced by a regular file."""
+    try:
+        fd = os.open(target, os.O_WRONLY | (os.O_NONBLOCK if fifo else 0))
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise KVRescueError(f"{option} {target} is a FIFO that no process reads: start its reader first") from None
+        raise
+    try:
+        if fifo:
+            os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def write_output(path: str | Path, data: bytes | str, option: str) -> Path:
+    """The one writer: data into path, atomically for a regular file (see the module's docstring)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    target, info = output_target(path, option)
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        write_through(target, data, stat.S_ISFIFO(info.st_mode), option)
+        return Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        if info is not None:
+            os.chmod(tmp, stat.S_IMODE(info.st_mode))  # a replaced file keeps its permissions
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return Path(path)
+
+
+def write_figure(figure, path: str | Path, option: str) -> Path:
+    """A matplotlib figure through the one writer (its format from the file's suffix, else PNG)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=Path(path).suffix.lstrip(".").lower() or "png")
+    return write_output(path, buffer.getvalue(), option)
+
+
+def results_target(path: str | Path, option: str = "--results") -> Path:
+    """A results file (appended to, locked, read back) resolved through symlinks: a regular file, or none yet."""
+    return output_target(path, option, special=False)[0]
+
+
+def check_input_file(path: str | Path, what: str) -> Path:
+    """An input that exists and is a regular file: a device, FIFO or directory would be read endlessly or not
+    at all."""
+    path = Path(path)
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        raise KVRescueError(f"{what} not found: {path}") from None
+    except OSError as exc:
+        raise KVRescueError(f"cannot read {what} {path} ({exc.strerror}): check the path and its permissions") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise KVRescueError(f"{what} {path} is a directory: pass a file inside it")
+    if not stat.S_ISREG(info.st_mode):
+        raise KVRescueError(f"{what} {path} is {kind_of(info.st_mode)}, not a regular file: pass a file")
+    return path
+
+
+def decode_utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise KVRescueError(f"{what} {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
+        raise KVRescueError(f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
                             "save it as UTF-8") from None
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """A text file's contents; bytes that are not UTF-8 are refused with their offset."""
+    return decode_utf8(check_input_file(path, what).read_bytes(), f"{what} {path}")
 
 
 def os_error_message(exc: OSError) -> str:

@@ -435,6 +435,7 @@ def test_report_command(runs, tmp_path):
     assert md.exit_code == 0 and "| mode | budget | N | policy |" in md.output
     traj = tmp_path / "trajectory.json"
     traj.write_text(json.dumps(record))
+    (tmp_path / "view").mkdir()  # an output's folder is never created
     page = invoke("report", results, "--html", traj, "--out", tmp_path / "view" / "t.html")
     assert page.exit_code == 0, page.output
     assert (tmp_path / "view" / "t.html").read_text().startswith("<!DOCTYPE html>")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import KVRescueError
+from ..files import check_writable, write_figure
 
 MIB = 1024 * 1024
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -204,8 +205,7 @@ class Estimate:
             from matplotlib.figure import Figure
         except ImportError:
             raise KVRescueError("plots need matplotlib: pip install 'kvrescue-local[plot]'") from None
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = check_writable(path, "--plot")
         x = [p.ctx for p in self.points]
         fig = Figure(figsize=(10, 4), dpi=110)
         series = [
@@ -230,8 +230,7 @@ class Estimate:
             ax.legend(fontsize=8)
         fig.suptitle(f"{self.base.name} (budget {self.budget}+{self.buffer}) + {self.helper.name} vs full-KV base")
         fig.tight_layout()
-        fig.savefig(path)
-        return path
+        return write_figure(fig, path, "--plot")
 
 
 def estimate(base: ModelSpec, helper: ModelSpec, budget: int = 64, buffer: int = 128, kv_bytes: float = 2.0,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import KVRescueError
+from ..files import write_figure
 from ..rescue import Mode
 from .metrics import Summary, summaries
 
@@ -73,7 +74,7 @@ def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path |
     ax.set_title(title or "pass@1 vs KV budget")
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path, "--plots")
     return path
 
 
@@ -112,7 +113,7 @@ def step_sources(items: list[Summary], path: Path, title: str = "") -> Path | No
     ax.set_title(title or "kvrescue: who wrote the committed steps")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path, "--plots")
     return path
 
 
@@ -154,7 +155,7 @@ def detector_stats(rows: list[dict], path: Path, title: str = "") -> Path | None
         ax.grid(alpha=0.3)
     fig.suptitle(title or "degeneration detector: base candidates")
     fig.tight_layout()
-    fig.savefig(path)
+    write_figure(fig, path, "--plots")
     return path
 
 
@@ -164,7 +165,10 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise KVRescueError(f"{out_dir} is a file: pass a directory for the plots")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not out_dir.parent.is_dir():
+        raise KVRescueError(f"--plots {out_dir}: the folder {out_dir.parent} does not exist: create it first or "
+                            "choose a path in an existing folder")
+    out_dir.mkdir(exist_ok=True)
     datasets = sorted({str(r.get("dataset", "")) for r in rows})
     written = []
     for dataset in datasets:

@@ -1,7 +1,8 @@
 """Results files you can trust: one writer at a time, a clean tail, and rows that say what produced them.
 
-- `writing(path)` holds an exclusive lock (flock on a sidecar `.NAME.lock` holding the writer's PID) for as
-  long as a sweep or a merge writes the file; a second writer is refused, naming that PID.
+- `writing(path)` holds an exclusive lock (flock on a sidecar `.NAME.lock` beside the file a symlink points
+  at, holding the writer's PID) for as long as a sweep or a merge writes the file; a second writer is
+  refused, naming that PID; the sidecar goes when the writer exits.
 - `repair_tail(path)` cuts a partial last line (a crash or a full disk mid-write) before anything is
   appended, so the next row starts on a line of its own.
 - `setup(...)` is what a row records beyond its sweep axes: a fingerprint of each model file it used
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import KVRescueError
+from ..files import check_input_file, results_target
 from ..prm import head_path
 from ..rescue import RescueConfig
 
@@ -43,22 +45,29 @@ GGUF_STRING, GGUF_ARRAY = 8, 9
 # --- one writer, a clean tail ----------------------------------------------------------------------
 
 @contextmanager
-def writing(path: Path) -> Iterator[None]:
-    """Hold the exclusive right to write path; refused (naming the holder's PID) while another process has it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = path.with_name(f".{path.name}.lock")
-    handle = lock.open("a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+def writing(path: Path, option: str = "--results") -> Iterator[None]:
+    """Hold the exclusive right to write path; refused (naming the holder's PID) while another process has it.
+    The lock belongs to the file, not its name: a symlink to a results file takes the same lock."""
+    target = results_target(path, option)
+    lock = target.with_name(f".{target.name}.lock")
+    while True:
+        handle = lock.open("a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                handle.close()
+                raise
+            handle.seek(0)
+            holder = handle.read().strip()
             handle.close()
-            raise
-        handle.seek(0)
-        holder = handle.read().strip()
+            raise KVRescueError(f"{path} is being written by another process (PID {holder or 'unknown'}): wait for "
+                                "it to finish or stop it, or write to another results file and `bench merge` "
+                                "them") from None
+        # a writer that finished meanwhile removed the lock file it held: lock the one now at that name
+        if same_file(handle, lock):
+            break
         handle.close()
-        raise KVRescueError(f"{path} is being written by another process (PID {holder or 'unknown'}): wait for it "
-                            "to finish or stop it, or write to another results file and `bench merge` them") from None
     try:
         handle.seek(0)
         handle.truncate()
@@ -66,7 +75,17 @@ def writing(path: Path) -> Iterator[None]:
         handle.flush()
         yield
     finally:
-        handle.close()  # releases the lock; the sidecar stays (removing it would race with the next writer)
+        lock.unlink(missing_ok=True)  # while still held: a writer waiting on this file sees it is gone
+        handle.close()
+
+
+def same_file(handle, path: Path) -> bool:
+    held = os.fstat(handle.fileno())
+    try:
+        there = path.stat()
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
 
 
 def repair_tail(path: Path) -> int:
@@ -116,10 +135,7 @@ def read_rows(path: Path) -> list[dict]:
     """Every row of a results file, each checked; a partial last line (a writer died mid-line) is left out."""
     if not path.exists():
         return []
-    try:
-        lines = path.read_bytes().split(b"\n")
-    except IsADirectoryError:
-        raise KVRescueError(f"{path} is a directory: pass a results .jsonl file") from None
+    lines = check_input_file(path, "results file").read_bytes().split(b"\n")
     rows = []
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():

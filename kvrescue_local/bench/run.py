@@ -14,12 +14,14 @@ import json
 import os
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, TextIO
 
 from ..errors import KVRescueError
+from ..files import results_target, write_output
 from ..prm import PRM
 from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
 from ..runtime import Model
@@ -123,7 +125,7 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         written = 0
         prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for _, p in todo]) if todo else 0
         run_id = uuid.uuid4().hex[:12]
-        with results.open("a", encoding="utf-8") as out:
+        with open_on_first_write(results) as out:
             for axis in dict.fromkeys(axis for axis, _ in todo):  # one configuration's contexts at a time
                 engine = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
                                 prompt_tokens_max=prompt_tokens, concurrency=concurrency)
@@ -139,9 +141,9 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
                                       "kv_peak_bytes": engine.peak_kv_bytes()}
                     if error:
                         line["error"] = error
-                    out.write(json.dumps(line, ensure_ascii=False) + "\n")
-                    out.flush()
-                    os.fsync(out.fileno())
+                    out().write(json.dumps(line, ensure_ascii=False) + "\n")
+                    out().flush()
+                    os.fsync(out().fileno())
                     written += 1
                     if on_result:
                         on_result(line)
@@ -149,21 +151,45 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
     return written
 
 
-def merge_results(inputs: list[Path], output: Path) -> int:
-    """Union of shard files without duplicates; refuses rows of different models or settings."""
+@contextmanager
+def open_on_first_write(path: Path) -> Iterator[Callable[[], TextIO]]:
+    """The file opened for appending when first written to: a run refused before its first row (a context
+    that does not fit, a bad option) leaves no empty results file behind."""
+    handle: list[TextIO] = []
+
+    def out() -> TextIO:
+        if not handle:
+            handle.append(path.open("a", encoding="utf-8"))
+        return handle[0]
+
+    try:
+        yield out
+    finally:
+        for f in handle:
+            f.close()
+
+
+def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
+    """Union of shard files without duplicates; refuses rows of different models or settings, an input without
+    rows, and (unless force) replacing an existing output that is not one of the inputs."""
+    target = results_target(output, "--out")
+    if target.exists() and not force and not any(p.exists() and os.path.samefile(p, target) for p in inputs):
+        raise KVRescueError(f"--out {output} already exists and is not one of the inputs: choose a new file, "
+                            "list it among the inputs to merge it too, or pass --force to replace it")
     merged: dict[tuple[str, str, str], dict] = {}
     setups: list[dict] = []
     for path in inputs:
         if not path.exists():
             raise KVRescueError(f"results file not found: {path}")
         rows = read_rows(path)
+        if not rows:
+            raise KVRescueError(f"{path} holds no results lines: pass the results files of `bench run` (an empty, "
+                                "binary or cut-off file has none)")
         for theirs in distinct_setups(rows, path):
             check_same_setup(theirs, setups, path, "merge only shards of one sweep (same models and options)")
             setups.append(theirs)
         for row in rows:
             merged.setdefault((row["dataset"], row["id"], row["config_key"]), row)
-    with writing(output):
-        tmp = output.with_name(f".{output.name}.tmp")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()), encoding="utf-8")
-        os.replace(tmp, output)
+    with writing(output, "--out"):
+        write_output(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()), "--out")
     return len(merged)

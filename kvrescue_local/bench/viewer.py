@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from ..errors import KVRescueError
+from ..files import check_input_file, write_output
 from ..rescue.record import SIDES, Step, Trajectory
 
 _INVISIBLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff\ud800-\udfff]")
@@ -70,6 +71,8 @@ def flat_config(config: dict) -> dict:
 
 def load_trajectory(path: str | Path) -> Trajectory:
     path = Path(path)
+    if path.exists():  # a device or FIFO would be read endlessly
+        check_input_file(path, "--html")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -284,7 +287,4 @@ def write_html(trajectory: Trajectory | dict, out: str | Path) -> Path:
     out = Path(out)
     if out.is_dir():
         raise KVRescueError(f"{out} is a directory: pass a file name for the page, e.g. {out / 'trajectory.html'}")
-    page = render_html(trajectory)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(page.encode("utf-8", "replace"))
-    return out
+    return write_output(out, render_html(trajectory).encode("utf-8", "replace"), "--out")

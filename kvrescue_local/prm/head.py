@@ -6,13 +6,17 @@ layer (HF (out, in) layout), ReLU between layers, and a JSON string naming the f
 
 from __future__ import annotations
 
+import io
 import json
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import KVRescueError
+from ..files import write_output
 from .formats import prm_format
 
 
@@ -54,8 +58,9 @@ class RewardHead:
         arrays = {f"weight{i}": w for i, w in enumerate(self.weights)}
         arrays.update({f"bias{i}": b for i, b in enumerate(self.biases)})
         meta = json.dumps({"format": self.format, "layers": len(self.weights)})
-        np.savez(path, meta=np.array(meta), **arrays)
-        return Path(path)
+        buffer = io.BytesIO()
+        np.savez(buffer, meta=np.array(meta), **arrays)
+        return write_output(path, buffer.getvalue(), "the head file")
 
     @classmethod
     def load(cls, path: str | Path, hidden_size: int | None = None) -> "RewardHead":
@@ -68,9 +73,13 @@ class RewardHead:
                 meta = json.loads(str(data["meta"]))
                 weights = [data[f"weight{i}"].astype(np.float32) for i in range(meta["layers"])]
                 biases = [data[f"bias{i}"].astype(np.float32) for i in range(meta["layers"])]
-        except (OSError, KeyError, ValueError) as exc:
-            raise KVRescueError(f"reward head {path} is unreadable ({exc}): convert the PRM again") from None
-        head = cls(weights, biases, meta["format"])
+            head = cls(weights, biases, meta["format"])
+        except KVRescueError:
+            raise
+        # a truncated or foreign file fails in the zip reader, the array reader or the metadata
+        except (OSError, KeyError, IndexError, TypeError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+            raise KVRescueError(f"reward head {path} is unreadable ({type(exc).__name__}: {exc}): convert the PRM "
+                                "again, or retrain its head with `kvrescue-local prm train`") from None
         if hidden_size is not None and head.hidden_size != hidden_size:
             raise KVRescueError(f"reward head {path} expects hidden size {head.hidden_size} but the backbone has "
                                 f"{hidden_size}: the head belongs to another model; convert the PRM again")
