@@ -10,13 +10,13 @@ from ..bench.datasets import DATASET_NAMES, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 from ..compose import open_models, select_models
-from ..eviction import policy_specs
 from ..files import check_writable
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
                              largest_fitting)
-from .common import DEFAULTS, int_list, name_list, note, parse_size, search_options
+from .common import DEFAULTS, name_list, note, parse_size, search_options
+from .options import POSITIVE, IntList, PolicySpecs, check_budgets, check_prm_ctx
 
 DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
 
@@ -29,13 +29,13 @@ def bench() -> None:
 @bench.command("run")
 @click.option("--dataset", default="math500", show_default=True, help=f"one of {', '.join(DATASET_NAMES)}")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
-@click.option("--limit", type=int, help="first LIMIT problems only")
+@click.option("--limit", type=POSITIVE, help="first LIMIT problems only")
 @click.option("--split", type=click.Choice(["train", "eval"]),
               help="only the problems of a fixed split (gsm8k: ids 0-899 train, 900-1318 eval)")
 @click.option("--modes", default="full,bon,kvrescue", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
-@click.option("--budgets", default=str(DEFAULTS.kv.budget), show_default=True, help="comma-separated base KV budgets")
-@click.option("--ns", default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
-@click.option("--policies", help="comma-separated eviction policy specs, e.g. rkv,snapkv or rkv:lam=0.1,kernel=5,h2o "
+@click.option("--budgets", type=IntList(), default=str(DEFAULTS.kv.budget), show_default=True, help="comma-separated base KV budgets")
+@click.option("--ns", type=IntList(), default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
+@click.option("--policies", type=PolicySpecs(several=True), help="comma-separated eviction policy specs, e.g. rkv,snapkv or rkv:lam=0.1,kernel=5,h2o "
                                  f"[default: the preset's, else {DEFAULTS.kv.policy}]")
 @click.option("--choice", "choices", default=DEFAULTS.choice, show_default=True,
               help=f"comma-separated: how rounds with a choice pick their winner ({', '.join(CHOICES)}: the PRM's "
@@ -46,7 +46,7 @@ def bench() -> None:
 @click.option("--resume", is_flag=True, help="continue RESULTS, skipping what is done")
 @click.option("--shard", help="i/n: run the i-th of n interleaved slices (merge them with `bench merge`)")
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
-@click.option("--concurrency", "-k", type=int,
+@click.option("--concurrency", "-k", type=POSITIVE,
               help=f"problems solved at once on one engine [default: on a GPU (-ngl > 0) the most that fit --memory, "
                    f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured slower (README, Table 3)]")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
@@ -54,7 +54,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                 concurrency, memory, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
-    check_writable(results, "--results")
+    check_writable(results, "--results", special=False)
     data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None, split=split)
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
@@ -62,16 +62,17 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     choices = name_list(choices, CHOICES, "choice")
     most_sides = max(m.sides for m in modes)
     selection = select_models(options, needs_base, needs_helper,
-                              needs_prm=most_sides * max(int_list(ns)) > 1 and "prm" in choices, note=note)
-    template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(int_list(budgets))})
-    axes = sweep_axes(modes, int_list(budgets), int_list(ns),
-                      policy_specs(policies) if policies else [template.kv.policy], choices)
+                              needs_prm=most_sides * max(ns) > 1 and "prm" in choices, note=note)
+    template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
+    axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices)
     # refuses a bad budget, policy or N before any model is loaded
     configs = [rescue_config(axis, template) for axis in axes]
     candidates = max((c.candidates_per_round for c in configs if c.needs_prm), default=1)
+    check_prm_ctx(template, options["prm_ctx"])
     template, models = open_models(selection, template, needs_base, needs_helper, candidates,
                                    [p.problem for p in data_set.problems],
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
+    check_budgets(models.base, [a.budget for a in axes if a.mode.evicts], "--budgets")
     check_prompts_fit(template, [models.base, models.helper],
                       {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
     allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
@@ -122,8 +123,10 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
 
 @bench.command("merge")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
-def merge_command(inputs, out) -> None:
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="the merged results file (it may be one of the INPUTS)")
+@click.option("--force", is_flag=True, help="replace an existing --out that is not one of the INPUTS")
+def merge_command(inputs, out, force) -> None:
     """Merge shard result files into one, without duplicates."""
-    check_writable(out, "--out")
-    click.echo(f"{merge_results(list(inputs), out)} results in {out}")
+    check_writable(out, "--out", special=False)
+    click.echo(f"{merge_results(list(inputs), out, force)} results in {out}")

@@ -1,15 +1,16 @@
-"""What the commands share: the search options, list parsing, atomic JSON output."""
+"""What the commands share: the search options, list parsing, JSON output."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import click
 
 from ..errors import KVRescueError
+from ..files import write_output
 from ..rescue import RescueConfig
+from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, THREADS, Finite, PromptTemplate
 
 DEFAULTS = RescueConfig()
 
@@ -24,33 +25,33 @@ SEARCH_OPTIONS = [
     click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--helper", help="helper model (full context): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it) or a hub checkpoint owner/repo"),
-    click.option("--prompt-template",
+    click.option("--prompt-template", type=PromptTemplate(),
                  help="the chat prompt, with {problem} where the problem goes [default: the model's (preset or GGUF "
                       "metadata), else Qwen2.5-Math's]"),
-    click.option("--buffer", type=int, help=f"entries added before each eviction {preset_default(DEFAULTS.kv.buffer)}"),
-    click.option("--n-sink", type=int, help="first entries always kept [default: the preset's, else the policy's: "
+    click.option("--buffer", type=POSITIVE, help=f"entries added before each eviction {preset_default(DEFAULTS.kv.buffer)}"),
+    click.option("--n-sink", type=NON_NEGATIVE, help="first entries always kept [default: the preset's, else the policy's: "
                                             "streaming 4, the others 0]"),
-    click.option("--window", type=int, help=f"recent entries always kept {preset_default(DEFAULTS.kv.window)}"),
+    click.option("--window", type=POSITIVE, help=f"recent entries always kept {preset_default(DEFAULTS.kv.window)}"),
     click.option("--protect-prompt/--evict-prompt", default=None,
                  help=f"never evict the prompt {preset_default(DEFAULTS.kv.protect_prompt)}"),
-    click.option("--temp", "temperature", type=float, help=preset_default(DEFAULTS.temperature)),
-    click.option("--top-p", type=float, help=preset_default(DEFAULTS.top_p)),
-    click.option("--seed", "-s", type=int, help=preset_default(DEFAULTS.seed)),
-    click.option("--n-gpu-layers", "-ngl", type=int, help=preset_default(DEFAULTS.n_gpu_layers)),
-    click.option("--threads", "-t", type=int,
-                 help="llama.cpp threads (0: KVRESCUE_THREADS, else physical cores - 1: one core stays free for "
-                      f"other work) {preset_default(DEFAULTS.n_threads)}"),
+    click.option("--temp", "temperature", type=Finite(0), help=preset_default(DEFAULTS.temperature)),
+    click.option("--top-p", type=Finite(0, 1, low_open=True), help=preset_default(DEFAULTS.top_p)),
+    click.option("--seed", "-s", type=SEED, help=preset_default(DEFAULTS.seed)),
+    click.option("--n-gpu-layers", "-ngl", type=click.IntRange(min=-1), help=preset_default(DEFAULTS.n_gpu_layers)),
+    click.option("--threads", "-t", type=THREADS,
+                 help=f"llama.cpp threads, at most {MAX_THREADS} (0: KVRESCUE_THREADS, else physical cores - 1: one core "
+                      f"stays free for other work) {preset_default(DEFAULTS.n_threads)}"),
     click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), help=preset_default(DEFAULTS.flash_attn)),
-    click.option("--max-tokens", type=int, help=f"trajectory length cap {preset_default(DEFAULTS.max_tokens)}"),
-    click.option("--max-steps", type=int, help=preset_default(DEFAULTS.max_steps)),
-    click.option("--max-step-tokens", type=int, help=preset_default(DEFAULTS.max_step_tokens)),
-    click.option("--tau-entropy", type=float,
+    click.option("--max-tokens", type=POSITIVE, help=f"trajectory length cap {preset_default(DEFAULTS.max_tokens)}"),
+    click.option("--max-steps", type=POSITIVE, help=preset_default(DEFAULTS.max_steps)),
+    click.option("--max-step-tokens", type=POSITIVE, help=preset_default(DEFAULTS.max_step_tokens)),
+    click.option("--tau-entropy", type=Finite(0),
                  help="detector: mean entropy (nats) above which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_entropy)}"),
-    click.option("--tau-compression", type=float,
+    click.option("--tau-compression", type=Finite(0),
                  help=f"detector: zstd ratio below which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_compression)}"),
-    click.option("--prm-ctx", type=int, default=0, show_default=True,
+    click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True,
                  help="PRM context in its own tokens (0: sized from the problem; it grows as the trajectory does)"),
 ]
 
@@ -59,13 +60,6 @@ def search_options(command):
     for option in reversed(SEARCH_OPTIONS):
         command = option(command)
     return command
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVRescueError(f"expected comma-separated integers, not {text!r}") from None
 
 
 UNITS = {"k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
@@ -91,12 +85,14 @@ def name_list(text: str, allowed, what: str) -> list[str]:
     return names
 
 
-def write_json_atomically(path: Path, data: dict) -> None:
-    """Complete file or none: a crash or Ctrl-C never leaves half a JSON."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+def write_json(path: Path, data: dict, option: str) -> None:
+    """Complete file or none (files.write_output); NaN or infinity would not be JSON, so they are refused."""
+    try:
+        text = json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise KVRescueError(f"the record for {option} {path} holds a number that is not finite, which JSON cannot "
+                            "hold: nothing written") from None
+    write_output(path, text + "\n", option)
 
 
 def note(text: str) -> None:

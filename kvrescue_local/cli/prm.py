@@ -12,7 +12,8 @@ from ..bench.datasets import DATASET_NAMES
 from ..errors import KVRescueError
 from ..prm import FORMATS
 from ..rescue import MODES
-from .common import int_list, name_list, note
+from .common import name_list, note
+from .options import POSITIVE, SEED, THREADS, IntList
 
 
 @click.group()
@@ -29,16 +30,16 @@ def prm() -> None:
                                                   "process may be writing them)")
 @click.option("--dataset", default="gsm8k", show_default=True, help=f"one of {', '.join(DATASET_NAMES)} (its training "
                                                                     "split where it has one)")
-@click.option("--limit", type=int, default=100, show_default=True, help="first LIMIT problems of the training split")
+@click.option("--limit", type=POSITIVE, default=100, show_default=True, help="first LIMIT problems of the training split")
 @click.option("--modes", default="full,bon,helper", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
-@click.option("--budgets", default="64,128", show_default=True, help="comma-separated base KV budgets")
-@click.option("--max-tokens", type=int, default=768, show_default=True, help="trajectory length cap")
-@click.option("--seed", "-s", type=int, default=0, show_default=True)
+@click.option("--budgets", type=IntList(), default="64,128", show_default=True, help="comma-separated base KV budgets")
+@click.option("--max-tokens", type=POSITIVE, default=768, show_default=True, help="trajectory length cap")
+@click.option("--seed", "-s", type=SEED, default=0, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(sorted(FORMATS)), default="chat-value", show_default=True,
               help="how the backbone reads a trajectory (the head records it)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="the head file [default: where the preset reads it; coder: models/coder/prm.head.npz]")
-@click.option("--threads", "-t", type=int, default=0, show_default=True, help="llama.cpp threads (0: KVRESCUE_THREADS, "
+@click.option("--threads", "-t", type=THREADS, default=0, show_default=True, help="llama.cpp threads (0: KVRESCUE_THREADS, "
                                                                               "else physical cores - 1)")
 def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets, max_tokens, seed, fmt, out,
                   threads) -> None:
@@ -48,7 +49,9 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
                                      run_rollouts, train)
 
     plan = Rollouts(dataset=dataset, limit=limit, modes=tuple(name_list(modes, MODES, "mode")),
-                    budgets=tuple(int_list(budgets)), max_tokens=max_tokens, seed=seed, threads=threads)
+                    budgets=tuple(budgets), max_tokens=max_tokens, seed=seed, threads=threads)
+    if not rollouts:  # the project's own cache folder, made on first use
+        plan.default_file(preset).parent.mkdir(parents=True, exist_ok=True)
     rollouts = list(rollouts) or [plan.default_file(preset)]
     if len(rollouts) > 1 and not no_rollouts:
         raise KVRescueError("stage 1 extends one rollouts file: pass one, merge them with `kvrescue-local bench merge`, "
@@ -61,6 +64,7 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
             written = run_rollouts(preset, plan, rollouts[0], on_result=lambda row: bar.update(1), on_skip=bar.update)
         click.echo(f"stage 1, rollouts: {written} new rows in {rollouts[0]}, {clock.lap():.0f} s")
     rows, steps, left_out = labelled_rows(rollouts, "train")
+    check_rows(rows, rollouts, left_out, "`kvrescue-local prm train` without --no-rollouts rolls some out")
     click.echo(f"{len(rows)} rows ({left_out} left out: no trajectory record or an error), {len(steps)} labelled "
                f"steps ({sum(s.label for s in steps)} right) of {len({s.problem for s in steps})} problems")
     backbone = open_backbone(preset, threads, features_only=fmt)
@@ -93,13 +97,14 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
 @click.option("--preset", default="coder", show_default=True, help="whose PRM (backbone and head) to evaluate")
 @click.option("--head", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a head file [default: the preset's]")
-@click.option("--threads", "-t", type=int, default=0, show_default=True)
+@click.option("--threads", "-t", type=THREADS, default=0, show_default=True)
 def eval_command(rollouts, preset, head, threads) -> None:
     """Step-level AUC and pairwise accuracy (right vs wrong step of one problem and round, by the wrong step's
     origin) on evaluation problems."""
     from ..prmtrain.pipeline import evaluate, features, labelled_rows, open_backbone
 
     rows, steps, left_out = labelled_rows(list(rollouts), "eval")
+    check_rows(rows, rollouts, left_out, "pass the results of `bench run --split eval`")
     if left_out:
         note(f"{left_out} rows left out (no trajectory record or an error)")
     backbone = open_backbone(preset, threads, head=head)
@@ -107,6 +112,13 @@ def eval_command(rollouts, preset, head, threads) -> None:
         rewards = backbone.rewards(features(backbone, rows, lambda cached: bar.update(1)))
     click.echo(f"{len(rows)} rows of {len({s.problem for s in steps})} problems:")
     show(evaluate(rewards, steps))
+
+
+def check_rows(rows: list[dict], files, left_out: int, fix: str) -> None:
+    """Training and evaluation need rows: an empty, binary or foreign file is an error, not an AUC of nan."""
+    if not rows:
+        raise KVRescueError(f"{', '.join(map(str, files))} hold{'s' if len(files) == 1 else ''} no usable rows "
+                            f"({left_out} without a trajectory record or with an error): {fix}")
 
 
 def show(result) -> None:

@@ -13,7 +13,8 @@ from ..files import check_writable, read_utf8
 from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
 from ..rescue.config import CHOICES
 from ..rescue.limits import check_problem, check_prompts_fit
-from .common import DEFAULTS, note, preset_default, search_options, write_json_atomically
+from .common import DEFAULTS, note, preset_default, search_options, write_json
+from .options import POSITIVE, PolicySpecs, check_budgets, check_prm_ctx
 
 
 def one_line(text: str, width: int = 100) -> str:
@@ -32,9 +33,9 @@ def show(step: Step) -> None:
 @click.option("--file", "problem_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="read the problem from a file")
 @click.option("--mode", type=click.Choice(MODES), help=preset_default(DEFAULTS.mode))
-@click.option("-n", "--n", "n", type=int, help=f"candidates per model per round {preset_default(DEFAULTS.n)}")
-@click.option("--budget", type=int, help=f"base KV budget (entries kept) {preset_default(DEFAULTS.kv.budget)}")
-@click.option("--policy", help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
+@click.option("-n", "--n", "n", type=POSITIVE, help=f"candidates per model per round {preset_default(DEFAULTS.n)}")
+@click.option("--budget", type=POSITIVE, help=f"base KV budget (entries kept) {preset_default(DEFAULTS.kv.budget)}")
+@click.option("--policy", type=PolicySpecs(several=False), help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
 @click.option("--choice", type=click.Choice(CHOICES),
               help=f"how a round's winner is chosen: the PRM's favourite, or at random (seeded per round) "
                    f"{preset_default(DEFAULTS.choice)}")
@@ -42,7 +43,9 @@ def show(step: Step) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, json_path, **options) -> None:
     """Solve one PROBLEM step by step, showing each committed step as it lands."""
-    if (problem is None) == (problem_file is None):
+    if problem is None and problem_file is None:
+        raise click.UsageError("give the problem as an argument or with --file")
+    if problem is not None and problem_file is not None:
         raise click.UsageError("give the problem as an argument or with --file, not both")
     if json_path:
         check_writable(json_path, "--json")
@@ -54,9 +57,11 @@ def solve(problem, problem_file, json_path, **options) -> None:
                               needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and choice == "prm",
                               note=note)
     config = selection.config(options)
+    check_prm_ctx(config, options["prm_ctx"])
     config, models = open_models(selection, config, config.uses_base, config.uses_helper,
                                  config.candidates_per_round if config.needs_prm else 1,
                                  [text], prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
+    check_budgets(models.base, [config.kv.budget] if config.evicts else [], "--budget")
     check_prompts_fit(config, [models.base, models.helper], {"the problem": text})
     engine = Rescue(config, models.base, models.helper, models.prm,
                     prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [text]))
@@ -74,5 +79,5 @@ def solve(problem, problem_file, json_path, **options) -> None:
                f"{100 * trajectory.early_exit_fraction:.1f}%; {t['total']:.2f} s (llama.cpp {in_llama:.2f}, "
                f"PRM {t['prm']:.2f}, other {t['orchestration']:.2f})")
     if json_path:
-        write_json_atomically(json_path, trajectory.to_json())
+        write_json(json_path, trajectory.to_json(), "--json")
         click.echo(f"trajectory written to {json_path}")

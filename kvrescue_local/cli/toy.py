@@ -9,6 +9,7 @@ import click
 
 from ..compose import open_models, select_models
 from ..rescue import Mode, Rescue, longest_prompt
+from .options import POSITIVE, SEED
 
 
 @click.group()
@@ -18,8 +19,8 @@ def toy() -> None:
 
 
 @toy.command("sample")
-@click.option("--seed", "-s", type=int, default=0, show_default=True)
-@click.option("--count", type=int, default=1, show_default=True)
+@click.option("--seed", "-s", type=SEED, default=0, show_default=True)
+@click.option("--count", type=POSITIVE, default=1, show_default=True)
 def toy_sample(seed: int, count: int) -> None:
     """Print held-out toy problems (one per paragraph) with their answers: feed them to `solve --preset toy`."""
     from ..toy.task import problems
@@ -29,7 +30,7 @@ def toy_sample(seed: int, count: int) -> None:
 
 
 @toy.command("calibrate")
-@click.option("--problems", "count", type=int, default=40, show_default=True, help="calibration problems (not the table's)")
+@click.option("--problems", "count", type=POSITIVE, default=40, show_default=True, help="calibration problems (not the table's)")
 def toy_calibrate(count: int) -> None:
     """Fit the detector's thresholds to the toy preset's base candidates; writes detector.json beside the models."""
     from ..detect.calibrate import save_params

@@ -1,0 +1,150 @@
+"""The command line's one validation layer: every option value is checked as click parses it (a click type
+per kind of value), so a bad value ends in one `Error:` line before any model loads, and no value can reach
+llama.cpp in a form it asserts on. Sizes that depend on the run (the PRM's context against its batch, a budget
+against the base model's trained context) are checked as soon as what they depend on is known, before any
+context is made."""
+
+from __future__ import annotations
+
+import math
+import os
+import string
+
+import click
+
+from ..errors import KVRescueError
+from ..eviction import policy_specs
+from ..rescue import RescueConfig
+from ..runtime import Model
+
+MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
+SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 32-bit seed
+THREADS = click.IntRange(0, MAX_THREADS)
+POSITIVE = click.IntRange(min=1)
+NON_NEGATIVE = click.IntRange(min=0)
+
+
+class Finite(click.ParamType):
+    """A finite float within [low, high] (an open end where low_open / high_open): NaN and infinity are refused,
+    as they would silently switch a check off or write a JSON file that is not JSON."""
+
+    name = "number"
+
+    def __init__(self, low: float | None = None, high: float | None = None, low_open: bool = False,
+                 high_open: bool = False) -> None:
+        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
+
+    def range_text(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return " and ".join(parts)
+
+    def convert(self, value, param, ctx) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number: give one {self.range_text() or 'that is finite'}", param, ctx)
+        too_low = self.low is not None and (number <= self.low if self.low_open else number < self.low)
+        too_high = self.high is not None and (number >= self.high if self.high_open else number > self.high)
+        if too_low or too_high:
+            self.fail(f"{number:g} is out of range: it must be {self.range_text()}", param, ctx)
+        return number
+
+
+class IntList(click.ParamType):
+    """Comma-separated integers, at least one, each at least `low`."""
+
+    name = "integers"
+
+    def __init__(self, low: int = 1) -> None:
+        self.low = low
+
+    def convert(self, value, param, ctx) -> list[int]:
+        if isinstance(value, list):
+            return value
+        items = [x.strip() for x in str(value).split(",") if x.strip()]
+        if not items:
+            self.fail(f"{value!r} holds no values: give comma-separated integers, e.g. 64,128", param, ctx)
+        try:
+            numbers = [int(x) for x in items]
+        except ValueError:
+            self.fail(f"expected comma-separated integers, not {value!r}", param, ctx)
+        small = [n for n in numbers if n < self.low]
+        if small:
+            self.fail(f"{small[0]} is out of range: every value must be >= {self.low}", param, ctx)
+        return numbers
+
+
+class PolicySpecs(click.ParamType):
+    """Eviction policy specs (one, or a comma-separated list where several): each known, its options valid and
+    each option given once; a list names each spec once."""
+
+    name = "policy"
+
+    def __init__(self, several: bool) -> None:
+        self.several = several
+
+    def convert(self, value, param, ctx) -> str | list[str]:
+        if isinstance(value, list):
+            return value
+        try:
+            specs = policy_specs(str(value))
+        except KVRescueError as exc:
+            self.fail(str(exc), param, ctx)
+        if not self.several and len(specs) > 1:
+            self.fail(f"{value!r} names {len(specs)} policies; give one here (bench run --policies takes several)",
+                      param, ctx)
+        for spec in specs:
+            name, _, options = spec.partition(":")
+            keys = [item.partition("=")[0].strip() for item in options.split(",") if item.strip()]
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                self.fail(f"{spec!r} sets {', '.join(twice)} more than once: give each option of {name} once",
+                          param, ctx)
+        repeated = sorted({s for s in specs if specs.count(s) > 1})
+        if repeated:
+            self.fail(f"{', '.join(repeated)} is given more than once: name each policy once", param, ctx)
+        return specs if self.several else specs[0]
+
+
+class PromptTemplate(click.ParamType):
+    """A prompt template: {problem} where the problem goes and no other field ({{ and }} for literal braces)."""
+
+    name = "template"
+
+    def convert(self, value, param, ctx) -> str:
+        try:
+            fields = [(field, spec, conversion) for _, field, spec, conversion in string.Formatter().parse(value)
+                      if field is not None]
+        except ValueError as exc:
+            self.fail(f"{value!r} is not a template ({exc}): write {{{{ and }}}} for a literal brace", param, ctx)
+        others = sorted({"{" + field + "}" for field, spec, conversion in fields
+                         if (field, spec, conversion) != ("problem", "", None)})
+        if others:
+            self.fail(f"{value!r} holds {', '.join(others)}: the only field is {{problem}} (write {{{{ and }}}} for a "
+                      "literal brace)", param, ctx)
+        if not fields:
+            self.fail(f"{value!r} has no {{problem}}: put {{problem}} where the problem goes", param, ctx)
+        return value
+
+
+def check_prm_ctx(config: RescueConfig, prm_ctx: int) -> None:
+    """Before the PRM opens: llama.cpp asserts on a context smaller than the batch it decodes at once."""
+    if 0 < prm_ctx < config.n_batch:
+        raise KVRescueError(f"--prm-ctx {prm_ctx} is smaller than one batch of {config.n_batch} tokens the PRM "
+                            f"decodes at once: pass at least {config.n_batch}, or 0 to size it from the problem")
+
+
+def check_budgets(base: Model | None, budgets: list[int], option: str) -> None:
+    """After the base opens, before its contexts are made: a budget beyond its trained context never evicts, yet
+    would allocate cells for all of it."""
+    too_big = [b for b in budgets if base is not None and b > base.n_ctx_train]
+    if too_big:
+        raise KVRescueError(f"{option} {too_big[0]} exceeds the {base.n_ctx_train:,} positions {base.path.name} "
+                            f"was trained on, so it never evicts: lower {option} to at most {base.n_ctx_train:,} "
+                            "(or run --mode full for no eviction)")
