@@ -67,6 +67,28 @@ def cached(model: WheelModel, directory: Path) -> Path | None:
     return path
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_state(model: WheelModel, directory: Path) -> str:
+    """What the cache holds of model, checked by size and sha256 (a file cut short or damaged is not a cached
+    model): "cached", "not pulled", or what is wrong and the fix."""
+    path = cached_path(model, directory)
+    if not path.exists():
+        return "not pulled"
+    size = path.stat().st_size
+    if size != model.size:
+        return f"broken ({size:,} bytes, not {model.size:,}): delete {path} and pull it again"
+    if file_sha256(path) != model.sha256:
+        return f"broken (sha256 differs from the pinned one): delete {path} and pull it again"
+    return "cached (size and sha256 checked)"
+
+
 def download_wheel(requirement: str, dest: Path) -> Path:
     """One wheel into dest with pip (binary only, no dependencies); returns its path."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import KVRescueError
+from ..files import check_input_file, decode_utf8
 from ..rescue.limits import check_problem
 from .grade import is_correct
 
@@ -60,24 +61,36 @@ def toy_dataset() -> Dataset:
 
 
 def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
+    """The problems of a JSONL file, each line checked: UTF-8, a JSON object with the two fields, a problem that
+    is not empty, and an id no other line has (ids compare as text: "1" and 1 are the same problem)."""
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise KVRescueError(f"{path}:{number}: not a JSON object ({exc.msg}): fix or remove that line") from None
-            missing = [k for k in (problem_field, answer_field) if k not in row]
-            if not isinstance(row, dict) or missing:
-                raise KVRescueError(f"{path}:{number}: the row has no {' or '.join(repr(m) for m in missing)} field; "
-                                    f"each line needs {{\"id\", \"{problem_field}\", \"{answer_field}\"}}")
-            check_problem(str(row[problem_field]), f"{path}:{number}: the {problem_field!r} field")
-            answer = row[answer_field]
-            if isinstance(answer, list):  # OlympiadBench stores a list of final answers
-                answer = answer[0] if answer else ""
-            problems.append(Problem(str(row.get("id", f"{path.stem}-{number}")), str(row[problem_field]), str(answer)))
+    first_line: dict[str, int] = {}
+    raw_lines = check_input_file(path, "dataset file").read_bytes().split(b"\n")
+    for number, raw in enumerate(raw_lines, start=1):
+        line = decode_utf8(raw, f"{path}:{number}")
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise KVRescueError(f"{path}:{number}: not a JSON object ({exc.msg}): fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise KVRescueError(f"{path}:{number}: not a JSON object but {type(row).__name__}: each line needs "
+                                f"{{\"id\", \"{problem_field}\", \"{answer_field}\"}}")
+        missing = [k for k in (problem_field, answer_field) if k not in row]
+        if missing:
+            raise KVRescueError(f"{path}:{number}: the row has no {' or '.join(repr(m) for m in missing)} field; "
+                                f"each line needs {{\"id\", \"{problem_field}\", \"{answer_field}\"}}")
+        check_problem(str(row[problem_field]), f"{path}:{number}: the {problem_field!r} field")
+        answer = row[answer_field]
+        if isinstance(answer, list):  # OlympiadBench stores a list of final answers
+            answer = answer[0] if answer else ""
+        problem_id = str(row.get("id", f"{path.stem}-{number}"))
+        if problem_id in first_line:
+            raise KVRescueError(f"{path}:{number}: id {problem_id!r} is already the id of line {first_line[problem_id]} "
+                                "(ids compare as text): give every problem its own id")
+        first_line[problem_id] = number
+        problems.append(Problem(problem_id, str(row[problem_field]), str(answer)))
     if not problems:
         raise KVRescueError(f"{path} holds no problems")
     return problems
@@ -117,8 +130,6 @@ def load_dataset(name: str | None = None, path: str | Path | None = None, limit:
         raise KVRescueError(f"--split {split} needs a dataset with that split: {splits}")
     if path is not None:
         path = Path(path)
-        if not path.exists():
-            raise KVRescueError(f"dataset file not found: {path}")
         dataset = Dataset(path.stem, read_jsonl(path))
     elif name in VENDORED:
         dataset = Dataset(name, read_jsonl(VENDORED[name]))

@@ -282,19 +282,26 @@ def recover(s: Summary, kvrescue: list[dict], bon: list[dict], full: list[dict])
 
 
 def setup_notes(items: list[Summary]) -> list[str]:
-    """When one configuration holds several setups: what each differs in from the first."""
-    keys = [dataclasses.replace(s.key, setup="") for s in items]
-    if len(set(keys)) == len(keys):
-        return []
-    first: dict[str, dict] = {}
+    """Where one configuration holds several setups: per configuration, what each of its setups differs in from
+    its first, values in the order the setups are named."""
+    groups: dict[ConfigKey, list[Summary]] = {}
     for s in items:
-        first.setdefault(s.key.setup, s.setup or {})
-    labels = list(first)
-    notes = [f"setups (model files, prompt template, settings; seeds aside) differ: {labels[0]} is the first"]
-    for label in labels[1:]:
-        theirs = first[label]
-        diff = differences(first[labels[0]], theirs, ignore=("seed",)) if theirs and first[labels[0]] else []
-        notes.append(f"{label} vs {labels[0]}: {'; '.join(diff) or 'setup not recorded in one of them'}")
+        groups.setdefault(dataclasses.replace(s.key, setup=""), []).append(s)
+    notes = []
+    for key, group in groups.items():
+        first = group[0]
+        for other in group[1:]:
+            if first.setup is None or other.setup is None:
+                unrecorded = first if first.setup is None else other
+                what = f"setup {unrecorded.key.setup} was not recorded (rows written before setups were)"
+            else:
+                diff = differences(first.setup, other.setup, ignore=("seed",))
+                roles = sorted(set(first.setup["models"]) ^ set(other.setup["models"]))
+                what = "; ".join(diff) or f"models recorded for {', '.join(roles) or 'other roles'}"
+            notes.append(f"{key.dataset + ' ' if key.dataset else ''}{key.label}: setup {first.key.setup} vs "
+                         f"{other.key.setup}: {what}")
+    if notes:
+        notes.insert(0, "setups (model files, prompt template, settings; seeds aside) differ within a configuration:")
     return notes
 
 

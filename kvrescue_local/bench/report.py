@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KVRescueError
+from ..files import check_input_file
 from .metrics import ConfigKey, Summary, choice_comparisons, config_key, oracles, setup_notes, summaries
 from .throughput import Throughput, same_axes, throughputs
 
@@ -67,6 +68,8 @@ def check_line(row, where: str) -> dict:
 def load_results(path: str | Path) -> list[dict]:
     """Every line of a results file, checked; blank lines are skipped."""
     path = Path(path)
+    if path.exists():  # a device or FIFO would be read endlessly
+        check_input_file(path, "results file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
