@@ -16,7 +16,7 @@ from ..rescue.config import CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
                              largest_fitting)
 from .common import DEFAULTS, name_list, note, parse_size, search_options
-from .options import POSITIVE, IntList, PolicySpecs, check_budgets, check_prm_ctx
+from .options import POSITIVE, IntList, PolicySpecs, check_kv_sizes, check_prm_ctx
 
 DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
 
@@ -72,9 +72,11 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     template, models = open_models(selection, template, needs_base, needs_helper, candidates,
                                    [p.problem for p in data_set.problems],
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
-    check_budgets(models.base, [a.budget for a in axes if a.mode.evicts], "--budgets")
     check_prompts_fit(template, [models.base, models.helper],
                       {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
+    if models.base is not None:
+        check_kv_sizes(configs, models.base, longest_prompt(template, [models.base],
+                                                            [p.problem for p in data_set.problems]), "--budgets")
     allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
     prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for p in data_set.problems])
     prm = models.prm

@@ -140,11 +140,19 @@ def check_prm_ctx(config: RescueConfig, prm_ctx: int) -> None:
                             f"decodes at once: pass at least {config.n_batch}, or 0 to size it from the problem")
 
 
-def check_budgets(base: Model | None, budgets: list[int], option: str) -> None:
-    """After the base opens, before its contexts are made: a budget beyond its trained context never evicts, yet
-    would allocate cells for all of it."""
-    too_big = [b for b in budgets if base is not None and b > base.n_ctx_train]
-    if too_big:
-        raise KVRescueError(f"{option} {too_big[0]} exceeds the {base.n_ctx_train:,} positions {base.path.name} "
-                            f"was trained on, so it never evicts: lower {option} to at most {base.n_ctx_train:,} "
-                            "(or run --mode full for no eviction)")
+def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_tokens: int, budget_option: str) -> None:
+    """After the base opens, before its contexts are made: a budget or buffer beyond its trained context never
+    evicts, yet would allocate cells for all of it (or stall making them); a protected prompt that fills the
+    budget leaves the policy nothing to choose among."""
+    for config in (c for c in configs if c.evicts and base is not None):
+        kv, trained = config.kv, base.n_ctx_train
+        for option, value in ((budget_option, kv.budget), ("--buffer", kv.buffer)):
+            if value > trained:
+                raise KVRescueError(f"{option} {value} exceeds the {trained:,} positions {base.path.name} was "
+                                    f"trained on, so it never evicts: lower {option} to at most {trained:,} (or run "
+                                    "--mode full for no eviction)")
+        needed = prompt_tokens + kv.window
+        if kv.protect_prompt and needed > kv.budget:
+            raise KVRescueError(f"--protect-prompt keeps the prompt's {prompt_tokens} tokens, and with the recent "
+                                f"window of {kv.window} they do not fit in {budget_option} {kv.budget}: raise "
+                                f"{budget_option} to at least {needed}, or pass --evict-prompt")
