@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 from click.testing import CliRunner
@@ -75,8 +76,9 @@ def test_a_whole_row_that_lost_only_its_newline_is_kept(sweep, tmp_path):
 
 # --- 2. one writer at a time -----------------------------------------------------------------------
 
-def test_a_second_writer_is_refused_naming_the_pid(base_path, helper_path, tiny_prm_path, tmp_path):
-    results = tmp_path / "shared.jsonl"
+@contextmanager
+def held_by_another_process(results):
+    """A child process holding the one-writer lock of results; yields it."""
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
          "from kvrescue_local.bench.results_file import writing\n"
@@ -84,12 +86,29 @@ def test_a_second_writer_is_refused_naming_the_pid(base_path, helper_path, tiny_
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        refused = CliRunner().invoke(main, sweep_args(base_path, helper_path, tiny_prm_path, results))
-        assert f"being written by another process (PID {holder.pid})" in one_error_line(refused)
+        yield holder
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_second_writer_is_refused_naming_the_pid(base_path, helper_path, tiny_prm_path, tmp_path):
+    results = tmp_path / "shared.jsonl"
+    with held_by_another_process(results) as holder:
+        refused = CliRunner().invoke(main, sweep_args(base_path, helper_path, tiny_prm_path, results))
+        assert f"being written by another process (PID {holder.pid})" in one_error_line(refused)
     assert not results.exists() or read_rows(results) == []
+
+
+def test_a_symlinked_results_file_is_refused_while_its_target_is_written(sweep, base_path, helper_path,
+                                                                          tiny_prm_path, tmp_path):
+    two = copy_of(sweep, tmp_path, "two.jsonl")
+    link = tmp_path / "two-link.jsonl"
+    link.symlink_to(two)
+    with held_by_another_process(two) as holder:
+        refused = CliRunner().invoke(main, sweep_args(base_path, helper_path, tiny_prm_path, link, "--resume"))
+        assert f"being written by another process (PID {holder.pid})" in one_error_line(refused)
+    assert two.read_bytes() == sweep.read_bytes()
 
 
 # --- 3. rows say what produced them; mixing is refused -------------------------------------------
