@@ -195,7 +195,7 @@ def test_a_prm_context_llama_cpp_would_abort_on_is_refused(prm_ctx):
 # --- 6. no tracebacks -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("template, says", [("x {problem} {foo}", "holds {foo}"), ("{problem} {", "not a template"),
-                                            ("no field", "has no {problem}"), ("{problem!r}", "holds {problem}")])
+                                            ("no field", "must contain {problem}"), ("{problem!r}", "holds {problem}")])
 def test_a_prompt_template_holds_problem_and_nothing_else(template, says):
     assert says in one_error_line(invoke("solve", *FAST, "--prompt-template", template, PROBLEM))
 

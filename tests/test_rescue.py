@@ -138,6 +138,7 @@ def solve_args(base_path, helper_path, tiny_prm_path, *extra):
 
 def test_solve_streams_steps_and_writes_the_trajectory(base_path, helper_path, tiny_prm_path, tmp_path):
     out = tmp_path / "run" / "trajectory.json"
+    out.parent.mkdir()  # an output's folder is never created
     result = CliRunner().invoke(main, solve_args(base_path, helper_path, tiny_prm_path, "--json", str(out)))
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())
@@ -147,7 +148,7 @@ def test_solve_streams_steps_and_writes_the_trajectory(base_path, helper_path, t
     bad = CliRunner().invoke(main, solve_args(base_path, helper_path, tiny_prm_path, "--policy", "fifo"))
     assert bad.exit_code != 0 and "Error: unknown eviction policy 'fifo'" in bad.output and "Traceback" not in bad.output
     bad = CliRunner().invoke(main, solve_args(base_path, helper_path, tiny_prm_path, "-n", "0"))
-    assert bad.exit_code != 0 and "N must be at least 1" in bad.output
+    assert bad.exit_code != 0 and "'-n' / '--n': 0 is not in the range x>=1" in bad.output
 
 
 def test_ctrl_c_during_solve_leaves_no_output_file(base_path, helper_path, tiny_prm_path, tmp_path):

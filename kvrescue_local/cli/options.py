@@ -92,10 +92,7 @@ class PolicySpecs(click.ParamType):
     def convert(self, value, param, ctx) -> str | list[str]:
         if isinstance(value, list):
             return value
-        try:
-            specs = policy_specs(str(value))
-        except KVRescueError as exc:
-            self.fail(str(exc), param, ctx)
+        specs = policy_specs(str(value))  # its KVRescueError is the command's one Error: line
         if not self.several and len(specs) > 1:
             self.fail(f"{value!r} names {len(specs)} policies; give one here (bench run --policies takes several)",
                       param, ctx)
@@ -129,7 +126,7 @@ class PromptTemplate(click.ParamType):
             self.fail(f"{value!r} holds {', '.join(others)}: the only field is {{problem}} (write {{{{ and }}}} for a "
                       "literal brace)", param, ctx)
         if not fields:
-            self.fail(f"{value!r} has no {{problem}}: put {{problem}} where the problem goes", param, ctx)
+            self.fail(f"{value!r} has no field: it must contain {{problem}} where the problem goes", param, ctx)
         return value
 
 
