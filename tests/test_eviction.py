@@ -111,6 +111,12 @@ def test_resident_cells_stay_within_budget_over_2000_tokens(base_model, budget_s
             if seqs.enforce(s):
                 fired += 1
                 inputs, kept = seqs.last_choice
+                if make_policy(policy).per_head:
+                    # each (layer, head) now holds exactly the entries it chose, in budget cells
+                    held = np.sort(seqs.entries(s, ctx.cells(s)[1]), axis=-1)
+                    np.testing.assert_array_equal(held, inputs.head_positions[kept].reshape(held.shape))
+                    assert kept[..., -1].all() and ctx.n_cells(s) == budget_size
+                    continue
                 again = budget.keep(inputs.positions, make_policy(policy).score(inputs), seqs.n_prompt)
                 np.testing.assert_array_equal(kept, again)
                 np.testing.assert_array_equal(ctx.cells(s)[1], inputs.positions[kept])
@@ -139,7 +145,7 @@ def token_stream(model, n: int) -> np.ndarray:
     return tokens[:n]
 
 
-@pytest.mark.parametrize("policy", ["rkv", "snapkv"])
+@pytest.mark.parametrize("policy", ["rkv:heads=shared", "snapkv:heads=shared"])
 def test_a_40_token_chunk_across_the_limit_ranks_by_the_last_window_queries(base_model, policy):
     """The window attention an eviction sees is exactly that of the `window` queries before it, however
     the tokens arrive: checked against a second context that only ever observes those queries."""
@@ -165,7 +171,7 @@ def test_a_40_token_chunk_across_the_limit_ranks_by_the_last_window_queries(base
     assert seqs.ctx.n_cells(0) == 24 + 4
 
 
-@pytest.mark.parametrize("policy, always", [("rkv", False), ("snapkv", False), ("h2o", True)])
+@pytest.mark.parametrize("policy, always", [("rkv:heads=shared", False), ("snapkv:heads=shared", False), ("h2o", True)])
 def test_window_policies_pay_for_scores_only_inside_the_window(base_model, policy, always):
     """A window policy's sequence is observed from `window` tokens before the limit (its scores start from
     zero there); H2O, which reads attention since arrival, observes every query."""
@@ -201,7 +207,7 @@ def test_a_prompt_longer_than_the_budget_is_compressed_once_read(base_model):
     seqs.n_prompt = len(prompt)
     ingest(seqs, 0, prompt, most=16)
     assert seqs.ctx.n_cells(0) == 24 and seqs.evictions == 1 and seqs.fallback_evictions == 0
-    assert seqs.last_choice[1][-8:].all()
+    assert seqs.last_choice[1][..., -8:].all()
     seqs.ctx.step([0], [int(prompt[0])])
     assert not seqs.enforce(0), "after the prompt, eviction waits for budget + buffer"
 
@@ -238,7 +244,7 @@ def test_redundancy_is_the_reference_s_and_spares_the_newest_copy():
 def test_rkv_keeps_what_most_reference_heads_keep_on_captured_inputs(base_model):
     """On keys and window attention read from llama.cpp, the kept set is the top of the votes of the
     reference's per-(layer, head) selections, given the same (per-layer) attention."""
-    budget = KVBudget(budget=64, buffer=128, window=8)
+    budget = KVBudget(budget=64, buffer=128, window=8, policy="rkv:heads=shared")
     ctx = Context(base_model, ContextParams(n_ctx=1024, flash_attn="off"))
     seqs = BudgetedSequences(ctx, budget)
     row = ctx.prefill(0, base_model.tokenize(PROMPT))

@@ -17,9 +17,13 @@ class EvictionInputs:
     positions: np.ndarray  # int32 [n]
     forced: np.ndarray | None = None  # bool [n]: kept whatever the scores (sinks, recent window, protected prompt)
     n_choose: int = 0  # how many of the other entries the budget keeps
-    window_attention: np.ndarray | None = None  # [n_layer, n]: attention from the last `window` queries, per layer
+    # [n_layer, n] (shared set) or [n_layer, n_head_kv, n] (per head): attention from the last `window` queries
+    window_attention: np.ndarray | None = None
     cumulative_attention: np.ndarray | None = None  # [n]: attention summed since each entry arrived, all layers
     keys: np.ndarray | None = None  # [n_layer, n_head_kv, n, head_dim]: post-RoPE keys
+    # Per head, entry i of (layer, head) is that head's i-th entry in position order (the cell holding it
+    # differs between heads once compacted); forced is the same in every head.
+    head_positions: np.ndarray | None = None  # per head: [n_layer, n_head_kv, n] each head's entries, increasing
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,11 @@ class Policy:
     needs_cumulative_attention = False  # the attention since each entry arrived (every query observed)
     needs_keys = False
     n_sink = 0
+    per_head = False  # chooses per (layer, KV head) with head_scores, not one set with score
+
+    def head_scores(self, inputs: EvictionInputs) -> np.ndarray:
+        """[n_layer, n_head_kv, n_free]: each (layer, KV head)'s score of the entries not forced."""
+        raise NotImplementedError
 
     @property
     def reads_attention(self) -> bool:
@@ -99,6 +108,15 @@ def policy_specs(text: str) -> list[str]:
     for spec in specs:
         make_policy(spec)
     return specs
+
+
+HEADS = ("per", "shared")
+
+
+def check_heads(name: str, heads: str) -> None:
+    if heads not in HEADS:
+        raise ValueError(f"{name} needs heads=per (its own entries in each layer and KV head) or heads=shared "
+                         f"(one set of positions for all), got heads={heads}")
 
 
 def max_pool(x: np.ndarray, kernel: int) -> np.ndarray:

@@ -1,7 +1,12 @@
 """The KV budget: when a sequence's resident cells reach budget + buffer, evict back to budget.
 
-Token-level eviction (one keep-set for all layers and heads: a llama.cpp cell is one position in every
-layer) through `seq_rm` over runs of positions. The recent window (which holds the newest position:
+A shared-set policy keeps one set of positions for all layers and heads (a llama.cpp cell is one
+position in every layer), through `seq_rm` over runs of positions. A per-head policy (rkv, snapkv by
+default) chooses per (layer, KV head); the budget then keeps as many cells, those whose entries the
+most heads chose (so that nothing moves when every head agrees), moves each head's other chosen
+entries into the cells it did not choose (llama_kvr_compact, patch 0004) and drops the rest. A kept
+cell's position is then a label: the per-head map, keyed by position, says which entry (original
+position) each (layer, head) of that cell holds; it follows forks and drops. The recent window (which holds the newest position:
 the next token must sit at pos_max + 1), the policy's sinks and, optionally, the prompt are always
 kept; the policy's scores choose the rest. A prompt longer than the budget is compressed to it as soon
 as it has been read, as R-KV does at prefill. Works per sequence, so N candidates decoding in one
@@ -10,14 +15,16 @@ batch are budgeted independently.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import KVRescueError
 from ..runtime import Context
-from ..runtime.attention import (cell_scores, copy_scores, enable_scores, key_rows, n_head_kv, observe_scores,
-                                 reset_scores)
+from ..runtime.attention import (cell_scores, copy_scores, enable_scores, head_scores, key_rows, n_head_kv,
+                                 observe_scores, reset_scores)
+from ..runtime.compaction import check_compaction, compact
 from .base import EvictionInputs, Policy, make_policy
 
 
@@ -50,8 +57,10 @@ class KVBudget:
         return self.budget + self.buffer
 
     def context_cells(self, n_sequences: int, batch: int) -> int:
-        """Cells a context needs so that n_sequences each hold up to `limit` entries, plus one decode batch."""
-        return n_sequences * self.limit + batch
+        """Cells a context needs so that n_sequences each hold up to `limit` entries, plus one decode batch
+        (per head, plus the free cells a compaction of a sequence shared with a fork moves into)."""
+        spare = self.budget if make_policy(self.policy).per_head else 0
+        return n_sequences * self.limit + batch + spare
 
     def check_context(self, ctx: Context, n_sequences: int) -> None:
         needed = self.context_cells(n_sequences, ctx.batch.capacity)
@@ -68,16 +77,21 @@ class KVBudget:
             forced |= positions < n_prompt
         return forced
 
+    def room(self, forced: np.ndarray, n_prompt: int) -> int:
+        """How many entries besides the forced ones the budget keeps."""
+        room = self.budget - int(forced.sum())
+        if room < 0:
+            raise KVRescueError(f"the protected prompt ({n_prompt} tokens) does not fit in KV budget {self.budget}: "
+                                "raise --budget or drop --protect-prompt")
+        return room
+
     def keep(self, positions: np.ndarray, scores: np.ndarray, n_prompt: int) -> np.ndarray:
         """Boolean mask over positions: exactly `budget` entries (or all, if fewer) kept."""
         n = len(positions)
         if n <= self.budget:
             return np.ones(n, bool)
         forced = self.forced(positions, n_prompt)
-        room = self.budget - int(forced.sum())
-        if room < 0:
-            raise KVRescueError(f"the protected prompt ({n_prompt} tokens) does not fit in KV budget {self.budget}: "
-                                "raise --budget or drop --protect-prompt")
+        room = self.room(forced, n_prompt)
         candidates = np.flatnonzero(~forced)
         # stable order: among equal scores the newer entry wins
         order = candidates[np.lexsort((positions[candidates], scores[candidates]))[::-1]]
@@ -139,14 +153,20 @@ class BudgetedSequences:
     peak_cells: dict[int, int] = field(default_factory=dict)  # most cells each sequence held when checked
     last_choice: tuple[EvictionInputs, np.ndarray] | None = None  # what the policy saw and kept, last time
     tracks: dict[int, Track] = field(default_factory=dict)
+    # per head: seq -> {position label: [n_layer, n_head_kv] entry each (layer, head) of that cell holds};
+    # a cell not listed holds its own position in every head
+    head_maps: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)
+    moved_heads: int = 0  # (layer, head, cell) moves of all compactions
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.config.policy)
         if not self.ctx.model.supports_partial_removal:
             raise KVRescueError(f"{self.ctx.model.path.name} is a recurrent or hybrid model: its memory cannot "
                                 "drop single positions, so KV eviction needs a pure-attention model")
+        if self.policy.per_head:
+            check_compaction(self.ctx)
         if self.policy.reads_attention:
-            enable_scores(self.ctx, self.config.window)
+            enable_scores(self.ctx, self.config.window, per_head=self.policy.per_head)
         if self.windowed:
             observe_scores(self.ctx, -1, False)
 
@@ -166,12 +186,17 @@ class BudgetedSequences:
         if self.policy.reads_attention:
             copy_scores(self.ctx, src, dst)
         self.tracks[dst] = self.track(src).copy()
+        if src in self.head_maps:
+            self.head_maps[dst] = {p: e.copy() for p, e in self.head_maps[src].items()}
+        else:
+            self.head_maps.pop(dst, None)
         if self.windowed:
             observe_scores(self.ctx, dst, self.tracks[dst].observed_from is not None)
 
     def drop(self, seq_id: int) -> None:
         self.ctx.drop(seq_id)
         self.tracks.pop(seq_id, None)
+        self.head_maps.pop(seq_id, None)
         if self.windowed:
             observe_scores(self.ctx, seq_id, False)
 
@@ -231,17 +256,80 @@ class BudgetedSequences:
 
     def evict(self, seq_id: int, track: Track) -> None:
         cells, positions = self.ctx.cells(seq_id)
-        inputs = self.inputs(seq_id, track, cells, positions)
-        kept = self.config.keep(positions, self.policy.score(inputs), track.n_prompt)
-        for p0, p1 in evicted_runs(positions, kept):
-            self.ctx.remove(seq_id, p0, p1)
+        if self.policy.per_head:
+            entries = self.entries(seq_id, positions)
+            order = np.argsort(entries, axis=-1, kind="stable")  # each head's cells in its entries' order
+            inputs = dataclasses.replace(self.inputs(seq_id, track, cells, positions, order),
+                                         head_positions=np.take_along_axis(entries, order, axis=-1))
+            kept = self.head_keep(inputs, track.n_prompt)
+            held = np.zeros_like(kept)
+            np.put_along_axis(held, order, kept, axis=-1)
+            self.apply_heads(seq_id, cells, positions, entries, held, inputs.forced)
+        else:
+            inputs = self.inputs(seq_id, track, cells, positions)
+            kept = self.config.keep(positions, self.policy.score(inputs), track.n_prompt)
+            for p0, p1 in evicted_runs(positions, kept):
+                self.ctx.remove(seq_id, p0, p1)
         track.cells = self.ctx.n_cells(seq_id)
         self.last_choice = (inputs, kept)
         self.evictions += 1
         self.counts.setdefault(seq_id, [0, 0])[0] += 1
 
+    def entries(self, seq_id: int, positions: np.ndarray) -> np.ndarray:
+        """[n_layer, n_head_kv, n]: the entry (original position) each head of each cell of seq_id holds."""
+        model = self.ctx.model
+        out = np.broadcast_to(positions, (model.n_layer, model.n_head_kv, len(positions))).copy()
+        held = self.head_maps.get(seq_id, {})
+        for i, p in enumerate(positions.tolist()):
+            if p in held:
+                out[:, :, i] = held[p]
+        return out
+
+    def head_keep(self, inputs: EvictionInputs, n_prompt: int) -> np.ndarray:
+        """[n_layer, n_head_kv, n] bool in each head's entry order: the forced entries and each head's best
+        n_choose others (its scores in decreasing order, ties to the older entry, as the reference ranks)."""
+        forced = inputs.forced
+        model = self.ctx.model
+        kept = np.broadcast_to(forced, (model.n_layer, model.n_head_kv, len(forced))).copy()
+        if len(forced) <= self.config.budget:
+            return np.ones_like(kept)
+        free = np.flatnonzero(~forced)
+        room = self.config.room(forced, n_prompt)
+        best = np.argsort(-self.policy.head_scores(inputs), axis=-1, kind="stable")[..., :room]
+        np.put_along_axis(kept, free[best], True, axis=-1)
+        return kept
+
+    def apply_heads(self, seq_id: int, cells: np.ndarray, positions: np.ndarray, entries: np.ndarray,
+                    held: np.ndarray, forced: np.ndarray) -> None:
+        """Keep per head the cells marked in held [n_layer, n_head_kv, n] (cell order): budget cells stay,
+        those whose entries the most heads keep (ties: the newer), each head's other kept entries move
+        into the kept cells it did not choose, and the other cells are dropped."""
+        votes = held.sum(axis=(0, 1))
+        candidates = np.flatnonzero(~forced)
+        n_stay = int(held[0, 0].sum() - forced.sum())
+        order = candidates[np.lexsort((positions[candidates], votes[candidates]))[::-1]]
+        stays = forced.copy()
+        stays[order[:n_stay]] = True
+        moves = [[], [], [], []]
+        moved = entries.copy()
+        for layer, head in np.ndindex(held.shape[:2]):
+            incoming = np.flatnonzero(held[layer, head] & ~stays)
+            slots = np.flatnonzero(stays & ~held[layer, head])
+            for src, dst in zip(incoming.tolist(), slots.tolist()):
+                for column, value in zip(moves, (layer, head, cells[src], cells[dst])):
+                    column.append(value)
+                moved[layer, head, dst] = entries[layer, head, src]
+        compact(self.ctx, seq_id, *moves)
+        self.moved_heads += len(moves[0])
+        for p0, p1 in evicted_runs(positions, stays):
+            self.ctx.remove(seq_id, p0, p1)
+        self.head_maps[seq_id] = {int(positions[i]): moved[:, :, i] for i in np.flatnonzero(stays)
+                                  if (moved[:, :, i] != positions[i]).any()}
+
     def layer_scores(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
-        """[n_layer, len(cells)] accumulated attention of seq_id."""
+        """[n_layer, len(cells)] accumulated attention of seq_id (per head: [n_layer, n_head_kv, len(cells)])."""
+        if self.policy.per_head:
+            return np.stack([head_scores(self.ctx, seq_id, layer)[:, cells] for layer in range(self.ctx.model.n_layer)])
         return np.stack([cell_scores(self.ctx, seq_id, layer)[cells] for layer in range(self.ctx.model.n_layer)])
 
     def window_attention(self, seq_id: int, track: Track, cells: np.ndarray) -> np.ndarray:
@@ -251,15 +339,21 @@ class BudgetedSequences:
             self.fallback_evictions += 1
             self.counts.setdefault(seq_id, [0, 0])[1] += 1
         if track.observed_from is None:
-            return np.zeros((self.ctx.model.n_layer, len(cells)))
+            heads = (self.ctx.model.n_head_kv,) if self.policy.per_head else ()
+            return np.zeros((self.ctx.model.n_layer, *heads, len(cells)))
         return self.layer_scores(seq_id, cells).astype(np.float64)
 
-    def inputs(self, seq_id: int, track: Track, cells: np.ndarray, positions: np.ndarray) -> EvictionInputs:
+    def inputs(self, seq_id: int, track: Track, cells: np.ndarray, positions: np.ndarray,
+               order: np.ndarray | None = None) -> EvictionInputs:
+        """What the policy sees; per head (order [n_layer, n_head_kv, n]: each head's cells in its entries'
+        order) the attention and keys of each head are taken in that order."""
         forced = self.config.forced(positions, track.n_prompt)
         n_choose = max(0, self.config.budget - int(forced.sum()))
         window = cumulative = keys = None
         if self.policy.needs_attention:
             window = self.window_attention(seq_id, track, cells)
+            if order is not None:
+                window = np.take_along_axis(window, order, axis=-1)
         if self.policy.needs_cumulative_attention:
             cumulative = cell_scores(self.ctx, seq_id)[cells].astype(np.float64)
         if self.policy.needs_keys:
@@ -267,5 +361,7 @@ class BudgetedSequences:
             n_layer, n, width = rows.shape
             heads = n_head_kv(self.ctx)
             keys = rows.reshape(n_layer, n, heads, width // heads).transpose(0, 2, 1, 3)
+            if order is not None:
+                keys = np.take_along_axis(keys, order[..., None], axis=2)
         return EvictionInputs(positions, forced, n_choose, window_attention=window, cumulative_attention=cumulative,
                               keys=keys)

@@ -9,13 +9,13 @@ and KV head scores the entries outside the recent window:
                (to the first key, when there is none) is zeroed: of a group of near-identical keys the
                newest is spared and the oldest penalised most;
   score      = lam * importance - (1 - lam) * redundancy, and the head keeps its best entries.
-A llama.cpp cell is one position in every layer and head, so one keep-set must serve them all: the
-policy keeps the entries that the most (layer, head) pairs would keep (ties: the higher mean score),
-which maximises the mean share of each pair's own choice that survives; perf/rkv_overlap.py measures
-that share against a port of the reference (eviction/reference.py).
-Deviations forced by llama.cpp: one keep-set per position; the attention is per layer, summed over the
-query heads inside the graph, where the reference max-pools the logits of each KV head's query group;
-its softmax spans every visible key, where the reference's spans the keys outside the window.
+heads=per (the default) does as the reference: each (layer, KV head) keeps its own entries, the
+attention computed per KV head inside the graph as the reference does (the query group's logits
+max-pooled, the softmax over the keys before the window), and the budget compacts the cells per head
+(patch 0004). heads=shared keeps one set of positions for every layer and head: the entries that the
+most (layer, head) pairs would keep (ties: the higher mean score), with the attention summed over the
+query heads and a softmax over every visible key; perf/rkv_overlap.py measures both against a port of
+the reference (eviction/reference.py).
 Defaults as the reference runs them: lam 0.07 (its --mix_lambda), kernel 7, similar 0.5, no sinks;
 the budget keeps the 8 newest entries (these hold the newest position, which llama.cpp needs) and
 compresses a prompt longer than the budget once it has been read.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionInputs, Policy, max_pool, register
+from .base import EvictionInputs, Policy, check_heads, max_pool, register
 
 
 def redundancy(keys: np.ndarray, similar: float = 0.5) -> np.ndarray:
@@ -49,10 +49,16 @@ class RKVPolicy(Policy):
     lam: float = 0.07
     kernel: int = 7
     similar: float = 0.5
+    heads: str = "per"
     needs_attention = True
     needs_keys = True
 
+    @property
+    def per_head(self) -> bool:
+        return self.heads == "per"
+
     def __post_init__(self) -> None:
+        check_heads("rkv", self.heads)
         if not 0.0 <= self.lam <= 1.0 or self.kernel < 1 or not -1.0 <= self.similar <= 1.0:
             raise ValueError(f"rkv needs 0 <= lam <= 1, kernel >= 1 and -1 <= similar <= 1 (got lam={self.lam}, "
                              f"kernel={self.kernel}, similar={self.similar})")
@@ -60,9 +66,11 @@ class RKVPolicy(Policy):
     def head_scores(self, inputs: EvictionInputs) -> np.ndarray:
         """[n_layer, n_head_kv, n_free]: each pair's score of the entries the budget may drop."""
         free = ~inputs.forced
-        attention = np.asarray(inputs.window_attention, np.float64)[:, free]
+        attention = np.asarray(inputs.window_attention, np.float64)[..., free]
+        if attention.ndim == 2:  # per layer: every KV head of the layer shares it
+            attention = attention[:, None, :]
         importance = max_pool(attention / np.maximum(attention.sum(axis=-1, keepdims=True), 1e-12), self.kernel)
-        return self.lam * importance[:, None, :] - (1 - self.lam) * redundancy(inputs.keys, self.similar)[..., free]
+        return self.lam * importance - (1 - self.lam) * redundancy(inputs.keys, self.similar)[..., free]
 
     def score(self, inputs: EvictionInputs) -> np.ndarray:
         free = np.flatnonzero(~inputs.forced)

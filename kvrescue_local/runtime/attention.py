@@ -23,17 +23,24 @@ _F32P = ctypes.POINTER(ctypes.c_float)
 _I32P = ctypes.POINTER(ctypes.c_int32)
 
 
-def enable_scores(ctx: Context, n_obs: int) -> None:
-    """Accumulate attention scores from the last n_obs tokens of each sequence per decode; 0 turns it off."""
+def enable_scores(ctx: Context, n_obs: int, per_head: bool = False) -> None:
+    """Accumulate attention scores from the last n_obs tokens of each sequence per decode; 0 turns it off.
+
+    per_head: one score per (cell, layer, KV head), as R-KV computes it: each KV head's query-group logits
+    max-pooled before the softmax, which spans the keys before the sequence's observation window (the keys
+    written since `observe_scores` switched it on are left out); read with `head_scores`."""
     if n_obs < 0:
         raise KVRescueError(f"n_obs must be >= 0 (0 turns attention scores off), got {n_obs}")
-    rc = ctx.call(patched().llama_kvr_attn_enable, ctx.handle, int(n_obs))
+    rc = ctx.call(patched().llama_kvr_attn_enable, ctx.handle, int(n_obs), bool(per_head))
     if rc == -1:
         raise KVRescueError("attention scores need a plain attention KV cache, and this model's memory is recurrent, "
                             "hybrid or sliding-window: use a pure-attention model")
     if rc == -2:
         raise KVRescueError("attention scores need a unified KV cache: create the context with "
                             "ContextParams(kv_unified=True)")
+    if rc == -5:
+        raise KVRescueError("per-head attention scores need the same number of KV heads in every layer: use the "
+                            "shared-set mode (e.g. --policy rkv:heads=shared)")
     if rc == -4:
         raise KVRescueError("could not allocate the attention score buffers (n_ctx x n_seq_max floats per layer): "
                             "lower n_ctx or n_seq_max, or free device memory")
@@ -88,6 +95,20 @@ def cell_scores(ctx: Context, seq_id: int, layer: int = -1) -> np.ndarray:
         raise KVRescueError(f"layer {layer} has no KV cache in this context: pick a layer that has one")
     if n < 0:
         raise KVRescueError(f"llama_kvr_attn_get failed with status {n}")
+    return out
+
+
+def head_scores(ctx: Context, seq_id: int, layer: int) -> np.ndarray:
+    """[n_head, n_ctx]: the scores of seq_id in layer per KV head (n_head = 1 unless enabled per_head)."""
+    ctx.check_seq(seq_id)
+    check_layer(ctx, layer, allow_sum=False)
+    n_head = n_head_kv(ctx)
+    out = np.zeros((n_head, ctx.n_ctx), np.float32)
+    n = ctx.call(patched().llama_kvr_attn_get_heads, ctx.handle, int(seq_id), int(layer), out.ctypes.data_as(_F32P),
+                 ctx.n_ctx)
+    if n < 0:
+        raise KVRescueError(f"llama_kvr_attn_get_heads failed with status {n}: enable per-head scores "
+                            "(enable_scores(ctx, n_obs, per_head=True)) before decoding")
     return out
 
 

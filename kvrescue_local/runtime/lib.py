@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import KVRescueError
 
-REQUIRED_PATCH_LEVEL = 3
+REQUIRED_PATCH_LEVEL = 4
 REBUILD_HINT = "run `python3 patches/build.py` (README: set-up) to install the patched build"
 
 
@@ -50,7 +50,7 @@ def bind_patch(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llama_kvr_seq_cells.restype = ctypes.c_int32
     f32p = ctypes.POINTER(ctypes.c_float)
     i32p = ctypes.POINTER(ctypes.c_int32)
-    lib.llama_kvr_attn_enable.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    lib.llama_kvr_attn_enable.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_bool]
     lib.llama_kvr_attn_enable.restype = ctypes.c_int32
     lib.llama_kvr_attn_reset.argtypes = [ctypes.c_void_p, ctypes.c_int32]
     lib.llama_kvr_attn_reset.restype = None
@@ -60,6 +60,10 @@ def bind_patch(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llama_kvr_attn_copy.restype = None
     lib.llama_kvr_attn_get.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, f32p, ctypes.c_int32]
     lib.llama_kvr_attn_get.restype = ctypes.c_int32
+    lib.llama_kvr_attn_get_heads.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, f32p, ctypes.c_int32]
+    lib.llama_kvr_attn_get_heads.restype = ctypes.c_int32
+    lib.llama_kvr_compact.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, i32p, i32p, i32p, ctypes.c_int32]
+    lib.llama_kvr_compact.restype = ctypes.c_int32
     lib.llama_kvr_k_rows.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, ctypes.c_int32, f32p]
     lib.llama_kvr_k_rows.restype = ctypes.c_int32
     return lib
