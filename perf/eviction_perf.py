@@ -3,7 +3,8 @@
 
 For each policy and budget (64, 256, 512): tokens/s over a 2,000-token generation of 4
 candidates decoded together, the share of wall time spent choosing and evicting (reading
-scores, keys and the cell map, scoring, seq_rm), and the resident KV bytes at the end vs full KV.
+scores, keys and the cell map, scoring, seq_rm), of it in per-head compaction (llama_kvr_compact), the
+most cells one sequence held (against budget + buffer), and the resident KV bytes at the end vs full KV.
 
 Only the package's public budget API is used, so another version of it can be timed by the same
 script: `PYTHONPATH=<checkout of that version> python3 perf/eviction_perf.py ...` (the README's
@@ -37,8 +38,8 @@ def n_embd_k_gqa_of(model: Model) -> int:
 
 
 def generate(model: Model, prompt: np.ndarray, tokens: int, budget: KVBudget | None,
-             n_seq: int = N_SEQ) -> tuple[float, float, int]:
-    """(seconds in total, seconds in eviction, cells resident at the end summed over sequences)."""
+             n_seq: int = N_SEQ) -> tuple[float, float, int, BudgetedSequences | None]:
+    """(seconds in total, seconds in eviction, cells resident at the end summed over sequences, the budget)."""
     n_ctx = budget.context_cells(n_seq, 512) if budget else n_seq * (len(prompt) + tokens) + 512
     ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=n_seq, flash_attn="off"))
     seqs = BudgetedSequences(ctx, budget) if budget else None
@@ -58,7 +59,7 @@ def generate(model: Model, prompt: np.ndarray, tokens: int, budget: KVBudget | N
                 seqs.enforce(s)
             evicting += time.perf_counter() - t0
     total = time.perf_counter() - started
-    return total, evicting, sum(ctx.n_cells(s) for s in range(n_seq))
+    return total, evicting, sum(ctx.n_cells(s) for s in range(n_seq)), seqs
 
 
 def main() -> None:
@@ -72,17 +73,20 @@ def main() -> None:
         model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0))
         prompt = model.tokenize("<|im_start|>user\nLedger: a=17 b=42 c=5 d=93. Compute a+d-c.<|im_end|>\n")
         per_cell = 2 * 2 * model.n_layer * n_embd_k_gqa_of(model)
-        total, _, cells = generate(model, prompt, args.tokens, None)
+        total, _, cells, _ = generate(model, prompt, args.tokens, None)
         full_rate = N_SEQ * args.tokens / total
         print(f"{N_SEQ} sequences x {args.tokens} tokens on {model.describe()}; KV {per_cell} B/cell (f16)")
         print(f"  full KV            : {full_rate:8.0f} tokens/s, resident {cells * per_cell / 2**20:7.2f} MiB "
               f"(cells counted per sequence)")
         for policy in args.policies.split(","):
             for b in map(int, args.budgets.split(",")):
-                total, evicting, cells = generate(model, prompt, args.tokens, KVBudget(budget=b, policy=policy))
+                budget = KVBudget(budget=b, policy=policy)
+                total, evicting, cells, seqs = generate(model, prompt, args.tokens, budget)
                 rate = N_SEQ * args.tokens / total
-                print(f"  {policy:9s} B={b:<4d}: {rate:8.0f} tokens/s ({rate / full_rate:4.2f}x full), eviction "
-                      f"{100 * evicting / total:5.1f}% of time, resident {cells * per_cell / 2**20:7.2f} MiB")
+                print(f"  {policy:16s} B={b:<4d}: {rate:8.0f} tokens/s ({rate / full_rate:4.2f}x full), eviction "
+                      f"{100 * evicting / total:5.1f}% of time (compaction {100 * seqs.compaction_seconds / total:4.2f}%), "
+                      f"most cells a sequence held {max(seqs.peak_cells.values())} (limit {budget.limit}), "
+                      f"resident {cells * per_cell / 2**20:7.2f} MiB")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Kept-set overlap of the token-level `rkv` policy with R-KV's own per-(layer, KV head) selection.
+"""Kept-set overlap of the `rkv` policy with R-KV's own per-(layer, KV head) selection.
 
-R-KV (github Zefan-Cai/R-KV) keeps a different set of entries in every layer and KV head; llama.cpp keeps
-one set of positions for all of them. On keys and attention captured from a real model at the moment
-R-KV would compress (budget + buffer entries), this prints the mean share of each (layer, head)'s own
-choice outside the recent window that a token-level choice keeps, for:
+R-KV (github Zefan-Cai/R-KV) keeps a different set of entries in every layer and KV head. On keys and
+attention captured from a real model at the moment R-KV would compress (budget + buffer entries), this
+prints the mean share of each (layer, head)'s own choice outside the recent window that a choice keeps:
 
-- rkv: the policy as it runs (per-(layer, head) scores from the patch's per-layer attention, top by votes);
+- rkv, per head: the default policy as it runs (the patch's per-KV-head scores, each head its own top);
+- rkv: heads=shared as it runs (per-(layer, head) scores from the patch's per-layer attention, one set
+  by votes);
 - mean score: the same per-(layer, head) scores averaged, then the top entries;
 - rkv, last layer: the policy's votes over the last layer's heads only (the cheaper subset);
 - best token-level: the top of the votes of the reference's own choices (no single set does better).
@@ -29,13 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from kvrescue_local.eviction import EvictionInputs, KVBudget, reference
+from kvrescue_local.eviction.budget import choose_per_head
 from kvrescue_local.presets import MODELS_CACHE
 from kvrescue_local.wheels import WHEEL_MODELS, cached_path
 from kvrescue_local.eviction.rkv import RKVPolicy
 from kvrescue_local.rescue.config import QWEN_MATH_COT
 from kvrescue_local.runtime import Context, ContextParams, Model
-from kvrescue_local.runtime.attention import (GraphCapture, cell_scores, enable_scores, key_rows, n_head_kv,
-                                              reset_scores)
+from kvrescue_local.runtime.attention import (GraphCapture, cell_scores, enable_scores, head_scores, key_rows,
+                                              n_head_kv, observe_scores, reset_scores)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = (cached_path(WHEEL_MODELS["coder-1.5b"], MODELS_CACHE), ROOT / "models" / "toy" / "base.gguf")
@@ -74,7 +76,20 @@ def capture(model: Model, tokens: np.ndarray, window: int) -> dict:
     theirs = np.stack([reference.window_attention(graph.tensors[f"kq-{layer}"][:, :, cells] * scale, heads, window)
                        for layer in layers])
     ours = np.stack([cell_scores(ctx, 0, layer)[cells] for layer in layers]).astype(np.float64)
-    return {"positions": positions, "keys": keys, "patch_attention": ours, "reference_attention": theirs}
+    return {"positions": positions, "keys": keys, "patch_attention": ours, "reference_attention": theirs,
+            "patch_head_attention": per_head_attention(model, tokens, window)}
+
+
+def per_head_attention(model: Model, tokens: np.ndarray, window: int) -> np.ndarray:
+    """[n_layer, n_head_kv, n]: the patch's per-KV-head window attention, as a per-head eviction reads it."""
+    ctx = Context(model, ContextParams(n_ctx=len(tokens) + 64, kv_type="f32", flash_attn="off"))
+    enable_scores(ctx, window, per_head=True)
+    observe_scores(ctx, 0, False)
+    ctx.prefill(0, tokens[:-window])
+    observe_scores(ctx, 0, True)
+    ctx.prefill(0, tokens[-window:])
+    cells, _ = ctx.cells(0)
+    return np.stack([head_scores(ctx, 0, layer)[:, cells] for layer in range(model.n_layer)]).astype(np.float64)
 
 
 def top(scores: np.ndarray, forced: np.ndarray, n_choose: int) -> np.ndarray:
@@ -101,6 +116,10 @@ def choices(captured: dict, budget: KVBudget) -> dict[str, tuple[np.ndarray, flo
     mean_score = np.zeros(len(positions))
     mean_score[~forced] = policy.head_scores(inputs).mean(axis=(0, 1))
     out["mean score"] = (top(mean_score, forced, n_choose), 0.0)
+    inputs = EvictionInputs(positions, forced, n_choose, window_attention=captured["patch_head_attention"], keys=keys)
+    started = time.perf_counter()
+    scores = policy.head_scores(inputs)
+    out["rkv, per head"] = (choose_per_head(scores, forced, n_choose), time.perf_counter() - started)
     return out
 
 

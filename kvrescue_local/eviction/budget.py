@@ -16,6 +16,7 @@ batch are budgeted independently.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,6 +117,15 @@ def evicted_runs(positions: np.ndarray, kept: np.ndarray) -> list[tuple[int, int
     return runs
 
 
+def choose_per_head(scores: np.ndarray, forced: np.ndarray, room: int) -> np.ndarray:
+    """[n_layer, n_head_kv, n] bool: the forced entries and each head's `room` best others by its scores
+    [n_layer, n_head_kv, n_free] (decreasing, ties to the older entry, as the reference ranks)."""
+    kept = np.broadcast_to(forced, (*scores.shape[:2], len(forced))).copy()
+    best = np.argsort(-scores, axis=-1, kind="stable")[..., :room]
+    np.put_along_axis(kept, np.flatnonzero(~forced)[best], True, axis=-1)
+    return kept
+
+
 @dataclass
 class Track:
     """What the budget knows of one sequence between its decodes."""
@@ -157,6 +167,7 @@ class BudgetedSequences:
     # a cell not listed holds its own position in every head
     head_maps: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)
     moved_heads: int = 0  # (layer, head, cell) moves of all compactions
+    compaction_seconds: float = 0.0  # wall time in llama_kvr_compact
 
     def __post_init__(self) -> None:
         self.policy = make_policy(self.config.policy)
@@ -289,15 +300,9 @@ class BudgetedSequences:
         """[n_layer, n_head_kv, n] bool in each head's entry order: the forced entries and each head's best
         n_choose others (its scores in decreasing order, ties to the older entry, as the reference ranks)."""
         forced = inputs.forced
-        model = self.ctx.model
-        kept = np.broadcast_to(forced, (model.n_layer, model.n_head_kv, len(forced))).copy()
         if len(forced) <= self.config.budget:
-            return np.ones_like(kept)
-        free = np.flatnonzero(~forced)
-        room = self.config.room(forced, n_prompt)
-        best = np.argsort(-self.policy.head_scores(inputs), axis=-1, kind="stable")[..., :room]
-        np.put_along_axis(kept, free[best], True, axis=-1)
-        return kept
+            return np.ones((self.ctx.model.n_layer, self.ctx.model.n_head_kv, len(forced)), bool)
+        return choose_per_head(self.policy.head_scores(inputs), forced, self.config.room(forced, n_prompt))
 
     def apply_heads(self, seq_id: int, cells: np.ndarray, positions: np.ndarray, entries: np.ndarray,
                     held: np.ndarray, forced: np.ndarray) -> None:
@@ -319,7 +324,9 @@ class BudgetedSequences:
                 for column, value in zip(moves, (layer, head, cells[src], cells[dst])):
                     column.append(value)
                 moved[layer, head, dst] = entries[layer, head, src]
+        started = time.perf_counter()
         compact(self.ctx, seq_id, *moves)
+        self.compaction_seconds += time.perf_counter() - started
         self.moved_heads += len(moves[0])
         for p0, p1 in evicted_runs(positions, stays):
             self.ctx.remove(seq_id, p0, p1)

@@ -2,8 +2,8 @@
 `R1KV.update_kv` in rkv/compression/r1_kv.py, `compute_attention_scores` and `cal_similarity` in
 rkv/utils.py) step by step, loops where the reference loops over heads or rows.
 
-It is the oracle that the token-level `rkv` policy is tested and measured against: llama.cpp must keep
-one set of positions for every layer and head, the reference keeps one set per (layer, KV head).
+It is the oracle that the `rkv` policy is tested and measured against, per (layer, KV head) as the
+reference keeps them, and with heads=shared (one set of positions for every layer and head).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def select(keys: np.ndarray, attention: np.ndarray, budget: int, window: int = 8
 
 
 def overlap(kept: np.ndarray, per_head: np.ndarray, window: int) -> float:
-    """Mean over (layer, head) of the share of that head's own choice (outside the window) that `kept` [n] keeps."""
+    """Mean over (layer, head) of the share of that head's own choice (outside the window) that `kept` keeps:
+    one set [n], or one per head [n_layer, n_head_kv, n]."""
     chosen = per_head[..., :-window]
-    return float(((chosen & kept[:-window]).sum(axis=-1) / chosen.sum(axis=-1)).mean())
+    return float(((chosen & kept[..., :-window]).sum(axis=-1) / chosen.sum(axis=-1)).mean())
