@@ -7,8 +7,10 @@ Wheels are cached under a key made of the sdist hash, the patch-series hash,
 the build flags and the Python/platform tag, so a re-install takes seconds
 while a fresh machine still builds.
 
-CPU by default. CUDA: `--cuda` (adds -DGGML_CUDA=on); any other CMake flag
-passes through the CMAKE_ARGS environment variable, as with llama-cpp-python.
+CPU by default. CUDA: `--cuda` (adds -DGGML_CUDA=on). RPC: `--rpc` (adds
+-DGGML_RPC=ON: `kvrescue-local rpc-server` and `--rpc host:port` need it). Any
+other CMake flag passes through the CMAKE_ARGS environment variable, as with
+llama-cpp-python.
 
 Standard library only: this runs before anything else is installed.
 """
@@ -38,6 +40,8 @@ LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 # mtmd (multimodal) is not used and doubles the build time.
 BASE_CMAKE_ARGS = ["-DLLAVA_BUILD=OFF"]
 CUDA_CMAKE_ARGS = ["-DGGML_CUDA=on"]
+# llama.cpp's RPC backend: the client (layers offloaded to remote servers) and ggml_backend_rpc_start_server
+RPC_CMAKE_ARGS = ["-DGGML_RPC=ON"]
 # A CUDA toolkit installed without cuBLAS (nvcc alone, as on build machines with no GPU) gets it from
 # NVIDIA's PyPI wheel; the major version must match nvcc's.
 CUBLAS_WHEEL = "nvidia-cublas>={major},<{next_major}"
@@ -212,6 +216,7 @@ def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cuda", action="store_true", help="build the CUDA backend (-DGGML_CUDA=on)")
+    parser.add_argument("--rpc", action="store_true", help="build llama.cpp's RPC backend (-DGGML_RPC=ON)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"sdist and wheel cache (default {DEFAULT_CACHE})")
     parser.add_argument("--rebuild", action="store_true", help="ignore a cached wheel")
     parser.add_argument("--wheel-only", action="store_true", help="build (or find) the wheel without installing it")
@@ -219,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     patches = patch_series()
     try:
-        flags = BASE_CMAKE_ARGS + (cuda_cmake_args(args.cache_dir) if args.cuda else []) + os.environ.get("CMAKE_ARGS", "").split()
+        flags = (BASE_CMAKE_ARGS + (cuda_cmake_args(args.cache_dir) if args.cuda else [])
+                 + (RPC_CMAKE_ARGS if args.rpc else []) + os.environ.get("CMAKE_ARGS", "").split())
         cmake_args = " ".join(flags)
         sdist = fetch_sdist(args.cache_dir)
         key_src = "\n".join([SDIST_SHA256, series_hash(patches), cmake_args,
