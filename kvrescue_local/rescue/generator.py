@@ -66,11 +66,13 @@ def seed_for(*parts: int) -> int:
 
 @dataclass(frozen=True)
 class Request:
-    """One slot's round: the seeds of its candidates and, for the detector, the committed text's tail."""
+    """One slot's round: the seeds of its candidates, for the detector the committed text's tail, and the run's
+    seed when the slot's problem has its own (None: the generator's sampling seed)."""
 
     slot: int
     seed: tuple[int, ...]
     tail: bytes = b""
+    run_seed: int | None = None
 
 
 class Generator:
@@ -222,7 +224,8 @@ class Generator:
             for i, seq in enumerate(self.sequences(request.slot)[1:]):
                 params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                         top_k=self.sampling.top_k, min_p=self.sampling.min_p,
-                                        seed=seed_for(self.sampling.seed, *request.seed, i))
+                                        seed=seed_for(self.sampling.seed if request.run_seed is None else request.run_seed,
+                                                     *request.seed, i))
                 cand = Draft(self.side, i, seq, Sampler(params), monitor=detector.monitor(request.tail) if detector else None)
                 self.fork(self.committed(request.slot), seq)
                 self.accept(request.slot, cand, cand.sampler.sample(self.ctx, row), first_entropy)

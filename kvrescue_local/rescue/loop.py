@@ -57,11 +57,12 @@ def problem_key(problem: str) -> int:
     return int.from_bytes(hashlib.sha256(problem.encode()).digest()[:4], "little")
 
 
-def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: int) -> Draft:
+def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: int, seed: int | None = None) -> Draft:
     """The round's winner: the PRM's favourite (a lone survivor is unscored), or with choice "random" one drawn
-    by a seed of the run's seed, the problem's key and the round (reproducible, and not the same draw on every problem)."""
+    by a seed of the run's seed (`seed`, else the config's), the problem's key and the round (reproducible, and
+    not the same draw on every problem)."""
     if config.choice == "random":
-        rng = np.random.default_rng([config.seed, key, round_index])
+        rng = np.random.default_rng([config.seed if seed is None else seed, key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
     return max(survivors, key=lambda c: c.score if c.score is not None else 0.0)
 
@@ -75,6 +76,7 @@ class Solving:
     trajectory: Trajectory
     key: int
     started: float
+    seed: int  # the run's seed for this problem: the config's, or the one its item asks for
     round: int = 0
     tail: bytes = b""
     drafts: list[Draft] = field(default_factory=list)
@@ -129,9 +131,13 @@ class Rescue:
         return trajectory
 
     def run(self, items: Iterable[Item], text: Callable[[Item], str] = str,
-            on_step: Callable[[Item, Step], None] | None = None) -> Iterator[tuple[Item, Trajectory, str | None]]:
+            on_step: Callable[[Item, Step], None] | None = None, seed_of: Callable[[Item], int] | None = None,
+            stop_of: Callable[[Item], str | None] | None = None) -> Iterator[tuple[Item, Trajectory, str | None]]:
         """Solve the problems `text(item)`, `concurrency` at a time, yielding (item, trajectory, error) as each
-        finishes (error: why it could not finish, its trajectory then holds what it did)."""
+        finishes (error: why it could not finish, its trajectory then holds what it did). `seed_of(item)` gives an
+        item its own seed (the same trajectory as a run with that seed); `stop_of(item)`, asked before each round,
+        ends an item early with the reason it returns (a served request whose client left). `items` is asked for
+        more whenever a slot is free: an iterator that is empty for now and has items later is served then."""
         queue = iter(items)
         flying: dict[int, Solving] = {}
         while True:
@@ -139,9 +145,9 @@ class Rescue:
                 item = next(queue, queue)
                 if item is queue:
                     break
-                flying[slot] = self.begin(item, text(item), slot)
+                flying[slot] = self.begin(item, text(item), slot, seed_of(item) if seed_of else self.config.seed)
             for solving in flying.values():
-                solving.error = solving.error or next(filter(None, (g.overflow(solving.slot)
+                solving.error = solving.error or (stop_of and stop_of(solving.item)) or next(filter(None, (g.overflow(solving.slot)
                                                                     for g in self.sides.values())), None)
             failed = [s for s in flying.values() if s.error is not None]
             for solving in failed:
@@ -155,9 +161,9 @@ class Rescue:
             for solving in self.round(list(flying.values()), on_step):
                 yield self.end(flying.pop(solving.slot))
 
-    def begin(self, item, problem: str, slot: int) -> Solving:
-        solving = Solving(item, slot, Trajectory(problem, self.config.as_dict()), problem_key(problem),
-                          time.perf_counter())
+    def begin(self, item, problem: str, slot: int, seed: int) -> Solving:
+        solving = Solving(item, slot, Trajectory(problem, {**self.config.as_dict(), "seed": seed}), problem_key(problem),
+                          time.perf_counter(), seed)
         prompt = self.config.prompt.format(problem=problem)
         for gen in self.sides.values():
             tokens = gen.model.tokenize(prompt)
@@ -178,7 +184,7 @@ class Rescue:
         for s in flying:
             s.drafts = []
         for side_index, (name, gen) in enumerate(self.sides.items()):
-            requests = [Request(s.slot, (s.key, s.round, side_index), s.tail) for s in flying]
+            requests = [Request(s.slot, (s.key, s.round, side_index), s.tail, s.seed) for s in flying]
             drafts = gen.propose(requests, self.detector if name == "base" else None)
             for s in flying:
                 s.drafts += drafts[s.slot]
@@ -212,7 +218,7 @@ class Rescue:
         if not survivors:
             traj.stop = "all_killed"
             return True
-        winner = choose(survivors, self.config, s.key, s.round)
+        winner = choose(survivors, self.config, s.key, s.round, s.seed)
         step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts])
         traj.steps.append(step)
         traj.tokens["committed"] += len(winner.tokens)
