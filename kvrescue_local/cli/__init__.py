@@ -12,6 +12,7 @@ from .doctor import doctor, package_version
 from .models import models
 from .prm import prm
 from .report import estimate_command, report
+from .serve import serve
 from .solve import solve
 from .toy import toy
 
@@ -34,5 +35,5 @@ def main() -> None:
     """KV-Rescue on llama.cpp: an evicted base model rescued by a full-context helper and a PRM."""
 
 
-for command in (doctor, solve, models, bench, prm, toy, report, estimate_command):
+for command in (doctor, solve, models, bench, prm, toy, report, estimate_command, serve):
     main.add_command(command)
