@@ -22,8 +22,10 @@ from .presets import Preset, load_preset, preset_of
 from .prm import PRM, PRMParams, head_path
 from .rescue import RescueConfig
 from .runtime import Model
+from .runtime.rpc import parse_endpoints
 
 PROMPT_METADATA = "kvrescue.prompt_template"
+ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "every layer"
 # command-line option -> RescueConfig field (("kv" | "detector", field) for the nested ones)
 OPTION_FIELDS = {
     "mode": "mode", "n": "n", "budget": ("kv", "budget"), "policy": ("kv", "policy"), "buffer": ("kv", "buffer"),
@@ -73,6 +75,7 @@ class Selection:
 
     paths: dict
     preset: Preset | None
+    rpc: tuple[str, ...] = ()  # --rpc: the servers the models' layers are offloaded to
 
     def config(self, options: dict, **overrides) -> RescueConfig:
         return preset_config(self.preset, **merged(option_overrides(options), overrides))
@@ -98,7 +101,7 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
     primary = "base" if needs_base else "helper"
     source = preset if given[primary] is None else preset_of(primary, paths[primary])
-    return Selection(paths, source)
+    return Selection(paths, source, parse_endpoints(options["rpc"]) if options.get("rpc") else ())
 
 
 def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,
@@ -119,8 +122,10 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
         raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset "
                             f"{selection.preset.name if selection.preset else 'NAME'}` trains one (or pass --prm with a "
                             "converted PRM)")
-    base = Model(paths["base"], n_gpu_layers=config.n_gpu_layers) if needs_base else None
-    helper = Model(paths["helper"], n_gpu_layers=config.n_gpu_layers) if needs_helper else None
+    # over RPC every layer goes to the servers unless -ngl says how many
+    layers = config.n_gpu_layers or (ALL_LAYERS if selection.rpc else 0)
+    base = Model(paths["base"], n_gpu_layers=layers, rpc=selection.rpc) if needs_base else None
+    helper = Model(paths["helper"], n_gpu_layers=layers, rpc=selection.rpc) if needs_helper else None
     template = (base or helper).metadata(PROMPT_METADATA)
     if template and not prompt_given:
         config = dataclasses.replace(config, prompt=template)

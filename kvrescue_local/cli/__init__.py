@@ -12,6 +12,7 @@ from .doctor import doctor, package_version
 from .models import models
 from .prm import prm
 from .report import estimate_command, report
+from .rpc import rpc_server
 from .serve import serve
 from .solve import solve
 from .toy import toy
@@ -35,5 +36,5 @@ def main() -> None:
     """KV-Rescue on llama.cpp: an evicted base model rescued by a full-context helper and a PRM."""
 
 
-for command in (doctor, solve, models, bench, prm, toy, report, estimate_command, serve):
+for command in (doctor, solve, models, bench, prm, toy, report, estimate_command, serve, rpc_server):
     main.add_command(command)

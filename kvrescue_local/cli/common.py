@@ -51,6 +51,8 @@ SEARCH_OPTIONS = [
     click.option("--tau-compression", type=Finite(0),
                  help=f"detector: zstd ratio below which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_compression)}"),
+    click.option("--rpc", help="host:port[,host:port...]: offload the models' layers to these `kvrescue-local "
+                               "rpc-server`s (every layer unless -ngl says how many; needs a build with --rpc)"),
     click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True,
                  help="PRM context in its own tokens (0: sized from the problem; it grows as the trajectory does)"),
 ]

@@ -35,6 +35,7 @@ class Model:
 
     path: Path
     n_gpu_layers: int = 0
+    rpc: tuple[str, ...] = ()  # RPC servers (host:port) its offloaded layers go to, instead of local devices
     handle: ctypes.c_void_p = field(init=False, repr=False)
     vocab: ctypes.c_void_p = field(init=False, repr=False)
 
@@ -44,6 +45,10 @@ class Model:
         self.path = check_gguf_file(Path(self.path))
         params = low.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers
+        if self.rpc:
+            from .rpc import rpc_devices
+
+            params.devices = ctypes.cast(rpc_devices(self.rpc), ctypes.c_void_p)
         self.handle = low.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.handle:
             raise KVRescueError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "

@@ -1,0 +1,92 @@
+"""llama.cpp's RPC backend: serve this machine's CPU backend to others, and offload a model's layers to
+such servers. Both need a build with GGML_RPC (`python3 patches/build.py --rpc`)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import socket
+from pathlib import Path
+
+from ..errors import KVRescueError
+from .lib import library_path, llama
+
+RPC_BUILD_HINT = "install a build with the RPC backend: `python3 patches/build.py --rpc` (README: set-up)"
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+CONNECT_TIMEOUT_S = 10
+
+
+@functools.cache
+def rpc_library() -> ctypes.CDLL:
+    """libggml-rpc beside the loaded libllama, with the calls used here declared; refused when absent."""
+    llama()
+    path = Path(library_path()).with_name("libggml-rpc.so")
+    if not path.exists():
+        raise KVRescueError(f"this llama.cpp has no RPC backend ({path.name} is not beside {Path(library_path()).name}): "
+                            f"{RPC_BUILD_HINT}")
+    lib = ctypes.CDLL(str(path))
+    lib.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+    lib.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                                  ctypes.POINTER(ctypes.c_void_p)]
+    lib.ggml_backend_rpc_start_server.restype = None
+    return lib
+
+
+@functools.cache
+def ggml() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    return lib
+
+
+def parse_endpoints(text: str) -> tuple[str, ...]:
+    """'host:port[,host:port...]' -> the endpoints, each checked."""
+    endpoints = tuple(e.strip() for e in text.split(",") if e.strip())
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise KVRescueError(f"--rpc takes host:port[,host:port...] (e.g. 192.168.1.2:50052), not {text!r}")
+    if not endpoints:
+        raise KVRescueError(f"--rpc takes host:port[,host:port...] (e.g. 192.168.1.2:50052), not {text!r}")
+    return endpoints
+
+
+def check_reachable(endpoint: str) -> None:
+    """ggml aborts the process when it cannot connect: try the endpoint first."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise KVRescueError(f"no RPC server answers at {endpoint} ({exc.strerror or exc}): start `kvrescue-local "
+                            "rpc-server --host HOST --port PORT` there and let this machine reach it") from None
+
+
+@functools.cache
+def rpc_devices(endpoints: tuple[str, ...]) -> ctypes.Array:
+    """The NULL-terminated device list of llama_model_params.devices: each server's devices, connected once per
+    process (what is not offloaded stays on this machine's CPU)."""
+    lib = rpc_library()
+    devices = []
+    for endpoint in endpoints:
+        check_reachable(endpoint)
+        reg = lib.ggml_backend_rpc_add_server(endpoint.encode())
+        count = ggml().ggml_backend_reg_dev_count(reg) if reg else 0
+        if not count:
+            raise KVRescueError(f"no RPC server answers at {endpoint}: start `kvrescue-local rpc-server --host HOST "
+                                "--port PORT` there (and let this machine reach it)")
+        devices += [ggml().ggml_backend_reg_dev_get(reg, i) for i in range(count)]
+    return (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+
+
+def serve_backend(host: str, port: int, threads: int) -> None:
+    """Serve this machine's CPU backend on host:port (blocks: run it in a thread of its own)."""
+    lib = rpc_library()
+    cpu = ggml().ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    devices = (ctypes.c_void_p * 1)(cpu)
+    lib.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), None, threads, 1, devices)
