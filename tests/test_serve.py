@@ -2,6 +2,7 @@
 
 import dataclasses
 import threading
+import time
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from kvrescue_local.cli.serve import build_served, serve  # noqa: E402
 from kvrescue_local.rescue import Rescue, longest_prompt  # noqa: E402
 from serving import LoopbackServer  # noqa: E402
 
-TOY_ARGS = ["--preset", "toy", "-t", "1", "-n", "2", "--concurrency", "32"]
+TOY_ARGS = ["--preset", "toy", "-t", "1", "-n", "2", "--concurrency", "32", "--prompt-tokens", "128"]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_a_full_queue_answers_429_with_retry_after():
         for t in threads:
             t.start()
         while server.metric("kvrescue_requests_queued") < 2:  # both held: the engine has not started
-            pass
+            time.sleep(0.01)
         refused = httpx.post(url, json={"prompt": problem})
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["type"] == "rate_limit_exceeded"
@@ -182,5 +183,23 @@ def test_a_client_killed_mid_stream_frees_its_slot(looping_model):
             assert server.metric("kvrescue_requests_in_flight") == 1
         server.wait_idle()
         assert server.metric("kvrescue_requests_cancelled_total") == 1
+    finally:
+        server.close()
+
+
+@pytest.mark.realmodel
+def test_the_real_05b_helper_answers_the_openai_client():
+    server = LoopbackServer(["--preset", "coder", "--mode", "helper", "-n", "1", "-t", "1", "--max-tokens", "48",
+                             "--concurrency", "2", "--prompt-tokens", "256"])
+    try:
+        api = client(server)
+        question = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+        whole = api.chat.completions.create(model="coder", messages=question, seed=1, max_tokens=48)
+        chunks = list(api.chat.completions.create(model="coder", messages=question, seed=1, max_tokens=48, stream=True))
+        assert whole.choices[0].message.content
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+        assert {c.choices[0].model_extra["kvrescue"]["source"] for c in chunks[:-1]} == {"helper"}
+        assert whole.usage.model_extra["helper_tokens"] > 0 and whole.usage.model_extra["base_tokens"] == 0
+        server.wait_idle()
     finally:
         server.close()

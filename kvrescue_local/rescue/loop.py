@@ -76,12 +76,12 @@ class Solving:
     trajectory: Trajectory
     key: int
     started: float
-    seed: int  # the run's seed for this problem: the config's, or the one its item asks for
     round: int = 0
     tail: bytes = b""
     drafts: list[Draft] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # llama_<side>, prm, total: its share of each round
     error: str | None = None
+    seed: int | None = None  # the seed its item asks for (None: the config's)
 
     def charge(self, costs: dict[str, float]) -> None:
         for k, v in costs.items():
@@ -145,10 +145,12 @@ class Rescue:
                 item = next(queue, queue)
                 if item is queue:
                     break
-                flying[slot] = self.begin(item, text(item), slot, seed_of(item) if seed_of else self.config.seed)
+                flying[slot] = self.begin(item, text(item), slot)
+                if seed_of:
+                    flying[slot].seed = flying[slot].trajectory.config["seed"] = seed_of(item)
             for solving in flying.values():
-                solving.error = solving.error or (stop_of and stop_of(solving.item)) or next(filter(None, (g.overflow(solving.slot)
-                                                                    for g in self.sides.values())), None)
+                solving.error = (solving.error or (stop_of and stop_of(solving.item))
+                                 or next(filter(None, (g.overflow(solving.slot) for g in self.sides.values())), None))
             failed = [s for s in flying.values() if s.error is not None]
             for solving in failed:
                 yield self.end(flying.pop(solving.slot))
@@ -161,9 +163,9 @@ class Rescue:
             for solving in self.round(list(flying.values()), on_step):
                 yield self.end(flying.pop(solving.slot))
 
-    def begin(self, item, problem: str, slot: int, seed: int) -> Solving:
-        solving = Solving(item, slot, Trajectory(problem, {**self.config.as_dict(), "seed": seed}), problem_key(problem),
-                          time.perf_counter(), seed)
+    def begin(self, item, problem: str, slot: int) -> Solving:
+        solving = Solving(item, slot, Trajectory(problem, self.config.as_dict()), problem_key(problem),
+                          time.perf_counter())
         prompt = self.config.prompt.format(problem=problem)
         for gen in self.sides.values():
             tokens = gen.model.tokenize(prompt)

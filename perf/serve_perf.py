@@ -1,0 +1,176 @@
+#!/usr/bin/env python3
+"""The server against `bench run`, side by side in one run, on the toy preset (one llama.cpp thread each):
+
+  overhead  problems/min of `kvrescue-local serve` (16 requests at once, streamed) and of `bench run` on the
+            same problems at the same concurrency and settings, and their ratio;
+  latency   p50 and p95 seconds from sending a streamed request to its first committed step, 32 at once;
+  soak      the server's RSS after a warm-up and after --soak-seconds of repeated requests (growth in %);
+  rpc       a greedy solve with its layers on a loopback `rpc-server` against the local one (equal
+            trajectories, speed ratio); needs a build with `python3 patches/build.py --rpc`.
+
+Usage: python3 perf/serve_perf.py [--parts overhead,latency,soak,rpc] [--problems 16] [--concurrency 8]
+                                  [-n 2] [--streams 32] [--soak-seconds 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kvrescue_local.bench.datasets import toy_dataset
+
+CLI = [sys.executable, "-m", "kvrescue_local"]
+ENV = dict(os.environ, KVRESCUE_THREADS="1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        # the toy's prompts are about 40 tokens: 128 reserved cells, not the default 1024, as `bench run` sizes
+        # its contexts from the longest prompt (every decode attends over the whole context)
+        self.proc = subprocess.Popen(CLI + ["serve", "--port", str(self.port), "-t", "1", "--prompt-tokens", "128",
+                                            *args], env=ENV, stderr=subprocess.DEVNULL)
+        while True:
+            try:
+                httpx.get(f"{self.url}/health")
+                return
+            except httpx.TransportError:
+                if self.proc.poll() is not None:
+                    raise SystemExit("the server did not start")
+                time.sleep(0.1)
+
+    def rss_kib(self) -> int:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def stream(url: str, problem: str, seed: int, out: dict) -> None:
+    sent = time.perf_counter()
+    first = None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=600,
+                      json={"messages": [{"role": "user", "content": problem}], "seed": seed, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and first is None:
+                first = time.perf_counter()
+    out[seed] = (first - sent, time.perf_counter() - sent)
+
+
+def at_once(url: str, problems: list[str], seeds: list[int]) -> dict:
+    out: dict = {}
+    threads = [threading.Thread(target=stream, args=(url, p, s, out)) for p, s in zip(problems, seeds)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def overhead(problems: list[str], concurrency: int, n: int) -> None:
+    server = Server(["-n", str(n), "--concurrency", str(concurrency)])
+    try:
+        at_once(server.url, problems[:concurrency], [0] * concurrency)  # warm-up
+        started = time.perf_counter()
+        at_once(server.url, problems, [0] * len(problems))
+        served = len(problems) / (time.perf_counter() - started) * 60
+    finally:
+        server.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = Path(tmp) / "bench.jsonl"
+        subprocess.run(CLI + ["bench", "run", "--dataset", "toy", "--limit", str(len(problems)), "--modes", "kvrescue",
+                              "--ns", str(n), "--concurrency", str(concurrency), "-t", "1", "--results", str(results)],
+                       env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        rows = [json.loads(line) for line in results.read_text().splitlines()]
+    benched = len(rows) / max(r["engine"]["elapsed"] for r in rows) * 60
+    print(f"overhead: {len(problems)} toy problems, concurrency {concurrency}, N={n}: serve {served:.1f} problems/min, "
+          f"bench run {benched:.1f} problems/min, ratio {served / benched:.3f}")
+
+
+def latency_and_soak(problems: list[str], streams: int, n: int, soak_seconds: float, parts: set[str]) -> None:
+    server = Server(["-n", str(n), "--concurrency", str(streams)])
+    try:
+        batch = (problems * streams)[:streams]
+        at_once(server.url, batch, list(range(streams)))  # warm-up: every slot used once
+        if "latency" in parts:
+            firsts = sorted(v[0] for v in at_once(server.url, batch, list(range(streams))).values())
+            p50, p95 = statistics.median(firsts), firsts[min(len(firsts) - 1, int(0.95 * len(firsts)))]
+            print(f"latency: {streams} streams at once, time to the first committed step: p50 {p50:.3f} s, p95 {p95:.3f} s")
+        if "soak" in parts:
+            samples = [server.rss_kib()]
+            started, seed = time.perf_counter(), 1000
+            while time.perf_counter() - started < soak_seconds:
+                at_once(server.url, batch, list(range(seed, seed + streams)))
+                seed += streams
+                samples.append(server.rss_kib())
+            before, after = samples[0], samples[-1]
+            print(f"soak: {(len(samples) - 1) * streams} requests in {time.perf_counter() - started:.0f} s ({streams} at "
+                  f"once): RSS {before / 1024:.1f} MiB -> {after / 1024:.1f} MiB ({100 * (after - before) / before:+.2f}%); "
+                  f"after each {streams}: {' '.join(f'{s / 1024:.0f}' for s in samples)} MiB")
+    finally:
+        server.close()
+
+
+def rpc(problem: str) -> None:
+    port = free_port()
+    server = subprocess.Popen(CLI + ["rpc-server", "--port", str(port), "-t", "1"], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(2)
+        seconds, steps = {}, {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, extra in (("local", []), ("rpc", ["--rpc", f"127.0.0.1:{port}"])):
+                out = Path(tmp) / f"{name}.json"
+                subprocess.run(CLI + ["solve", problem, "--temp", "0", "-t", "1", "--json", str(out), *extra],
+                               env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                record = json.loads(out.read_text())
+                seconds[name] = record["timings"]["total"]
+                steps[name] = [s["text"] for s in record["steps"]]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    print(f"rpc: greedy toy solve, loopback: local {seconds['local']:.3f} s, over RPC {seconds['rpc']:.3f} s, "
+          f"speed ratio {seconds['local'] / seconds['rpc']:.3f}; trajectories equal: {steps['local'] == steps['rpc']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="overhead,latency,soak,rpc")
+    parser.add_argument("--problems", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("-n", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--soak-seconds", type=float, default=600)
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    problems = [p.problem for p in toy_dataset().problems[:max(args.problems, args.streams)]]
+    if "overhead" in parts:
+        overhead(problems[:args.problems], args.concurrency, args.n)
+    if parts & {"latency", "soak"}:
+        latency_and_soak(problems, args.streams, args.n, args.soak_seconds, parts)
+    if "rpc" in parts:
+        rpc(problems[0])
+
+
+if __name__ == "__main__":
+    main()
