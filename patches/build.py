@@ -213,6 +213,20 @@ def build_wheel(sdist: Path, patches: list[Path], cmake_args: str, out_dir: Path
         return wheel
 
 
+def cmake_flags(cuda: bool, rpc: bool, cache: Path) -> str:
+    """The CMake flags of a build: the base ones, the backends asked for, then CMAKE_ARGS."""
+    flags = (BASE_CMAKE_ARGS + (cuda_cmake_args(cache) if cuda else []) + (RPC_CMAKE_ARGS if rpc else [])
+             + os.environ.get("CMAKE_ARGS", "").split())
+    return " ".join(flags)
+
+
+def cache_key(patches: list[Path], cmake_args: str) -> str:
+    """A wheel's cache key: what went into it (sdist, patch series, flags) and what it runs on."""
+    key_src = "\n".join([SDIST_SHA256, series_hash(patches), cmake_args,
+                         sysconfig.get_platform(), platform.python_implementation(), sys.version.split()[0]])
+    return hashlib.sha256(key_src.encode()).hexdigest()[:20]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cuda", action="store_true", help="build the CUDA backend (-DGGML_CUDA=on)")
@@ -224,13 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
     patches = patch_series()
     try:
-        flags = (BASE_CMAKE_ARGS + (cuda_cmake_args(args.cache_dir) if args.cuda else [])
-                 + (RPC_CMAKE_ARGS if args.rpc else []) + os.environ.get("CMAKE_ARGS", "").split())
-        cmake_args = " ".join(flags)
+        cmake_args = cmake_flags(args.cuda, args.rpc, args.cache_dir)
         sdist = fetch_sdist(args.cache_dir)
-        key_src = "\n".join([SDIST_SHA256, series_hash(patches), cmake_args,
-                             sysconfig.get_platform(), platform.python_implementation(), sys.version.split()[0]])
-        key = hashlib.sha256(key_src.encode()).hexdigest()[:20]
+        key = cache_key(patches, cmake_args)
         wheel_dir = args.cache_dir / "wheels" / key
         cached = sorted(wheel_dir.glob("*.whl"))
         if cached and not args.rebuild:

@@ -2,10 +2,12 @@
 one, evictions included (skipped on a build without GGML_RPC: `python3 patches/build.py --rpc`)."""
 
 import dataclasses
+import importlib.util
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +99,14 @@ def test_an_unreachable_rpc_server_is_one_error_line():
                              f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("Error: no RPC server answers at 127.0.0.1:")
+
+
+def test_the_rpc_build_has_its_own_flag_and_wheel_cache_key(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("kvrescue_build", Path(__file__).parents[1] / "patches" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    rpc, plain = build.cmake_flags(False, True, tmp_path), build.cmake_flags(False, False, tmp_path)
+    assert "-DGGML_RPC=ON" in rpc.split() and "-DGGML_RPC=ON" not in plain.split()
+    series = build.patch_series()
+    assert build.cache_key(series, rpc) != build.cache_key(series, plain)
