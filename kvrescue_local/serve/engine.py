@@ -79,7 +79,7 @@ class Feeder:
     def __next__(self) -> Job:
         engine = self.engine
         with engine.cond:
-            while engine.pending and engine.pending[0].engine_key == self.key:
+            while not engine.closing and engine.pending and engine.pending[0].engine_key == self.key:
                 job = engine.pending.popleft()
                 engine.metrics.queued = len(engine.pending)
                 if job.cancelled:
