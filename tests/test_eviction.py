@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from decoding import greedy_evictions
 
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.eviction import (POLICIES, BudgetedSequences, EvictionInputs, KVBudget, evicted_runs, make_policy,
@@ -247,23 +248,18 @@ def test_rkv_keeps_what_most_reference_heads_keep_on_captured_inputs(base_model)
     budget = KVBudget(budget=64, buffer=128, window=8, policy="rkv:heads=shared")
     ctx = Context(base_model, ContextParams(n_ctx=1024, flash_attn="off"))
     seqs = BudgetedSequences(ctx, budget)
-    row = ctx.prefill(0, base_model.tokenize(PROMPT))
     checked = 0
-    for _ in range(600):
-        ctx.step([0], [int(np.argmax(ctx.logits(row)))])
-        row = 0
-        if seqs.enforce(0):
-            inputs, kept = seqs.last_choice
-            n_layer, n_head_kv, n, _ = inputs.keys.shape
-            assert (n_layer, n_head_kv * inputs.keys.shape[3]) == (base_model.n_layer, base_model.n_embd // 2)
-            attention = inputs.window_attention[:, :-budget.window]
-            attention = np.repeat((attention / attention.sum(axis=1, keepdims=True))[:, None], n_head_kv, axis=1)
-            per_head = reference.select(inputs.keys, attention, budget.budget, budget.window)
-            votes = per_head[..., :-budget.window].sum(axis=(0, 1))
-            ours = np.flatnonzero(kept[:-budget.window])
-            assert votes[ours].min() >= np.delete(votes, ours).max()
-            assert reference.overlap(kept, per_head, budget.window) > 0.5
-            checked += 1
+    for inputs, kept in greedy_evictions(ctx, seqs, ctx.prefill(0, base_model.tokenize(PROMPT)), 600):
+        n_layer, n_head_kv, n, _ = inputs.keys.shape
+        assert (n_layer, n_head_kv * inputs.keys.shape[3]) == (base_model.n_layer, base_model.n_embd // 2)
+        attention = inputs.window_attention[:, :-budget.window]
+        attention = np.repeat((attention / attention.sum(axis=1, keepdims=True))[:, None], n_head_kv, axis=1)
+        per_head = reference.select(inputs.keys, attention, budget.budget, budget.window)
+        votes = per_head[..., :-budget.window].sum(axis=(0, 1))
+        ours = np.flatnonzero(kept[:-budget.window])
+        assert votes[ours].min() >= np.delete(votes, ours).max()
+        assert reference.overlap(kept, per_head, budget.window) > 0.5
+        checked += 1
     assert checked >= 3 and seqs.fallback_evictions == 0
 
 

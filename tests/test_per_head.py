@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from decoding import greedy_evictions
 
 from kvrescue_local.eviction import BudgetedSequences, KVBudget, evicted_runs, reference
 from kvrescue_local.runtime import Context, ContextParams
@@ -122,22 +123,17 @@ def test_each_head_keeps_exactly_what_the_reference_selects(base_model):
     budget = KVBudget(budget=48, buffer=32, window=8)
     ctx = Context(base_model, ContextParams(n_ctx=1024, n_seq_max=2, flash_attn="off"))
     seqs = BudgetedSequences(ctx, budget)
-    row = ctx.prefill(0, tokens_of(base_model, 40))
     checked = 0
-    for step in range(200):
-        ctx.step([0], [int(np.argmax(ctx.logits(row)))])
-        row = 0
-        if seqs.enforce(0):
-            inputs, kept = seqs.last_choice
-            attention = inputs.window_attention[..., :-budget.window]
-            attention = attention / attention.sum(axis=-1, keepdims=True)
-            np.testing.assert_array_equal(kept, reference.select(inputs.keys, attention, budget.budget, budget.window))
-            held = np.sort(seqs.entries(0, ctx.cells(0)[1]), axis=-1)
-            np.testing.assert_array_equal(held, inputs.head_positions[kept].reshape(held.shape))
-            checked += 1
-            if checked == 2:
-                seqs.fork(0, 1)  # the map follows the fork
-                np.testing.assert_array_equal(seqs.entries(1, ctx.cells(1)[1]), seqs.entries(0, ctx.cells(0)[1]))
+    for inputs, kept in greedy_evictions(ctx, seqs, ctx.prefill(0, tokens_of(base_model, 40)), 200):
+        attention = inputs.window_attention[..., :-budget.window]
+        attention = attention / attention.sum(axis=-1, keepdims=True)
+        np.testing.assert_array_equal(kept, reference.select(inputs.keys, attention, budget.budget, budget.window))
+        held = np.sort(seqs.entries(0, ctx.cells(0)[1]), axis=-1)
+        np.testing.assert_array_equal(held, inputs.head_positions[kept].reshape(held.shape))
+        checked += 1
+        if checked == 2:
+            seqs.fork(0, 1)  # the map follows the fork
+            np.testing.assert_array_equal(seqs.entries(1, ctx.cells(1)[1]), seqs.entries(0, ctx.cells(0)[1]))
     assert checked >= 4 and seqs.moved_heads > 0
 
 
