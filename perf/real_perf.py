@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from decode_perf import N_CANDIDATES, candidates_context, timed
-from eviction_perf import generate, n_embd_k_gqa_of
+from eviction_perf import print_comparison
 from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.eviction import KVBudget
 from kvrescue_local.presets import MODELS_CACHE
@@ -31,21 +31,9 @@ GGUF = MODELS_CACHE  # `kvrescue-local models pull coder` puts the pair here
 
 
 def eviction_overhead(model: Model, prompt: np.ndarray, args) -> None:
-    per_cell = 2 * 2 * model.n_layer * n_embd_k_gqa_of(model)  # K and V, f16
-    print(f"1. eviction vs full KV: {args.tokens} tokens per sequence after a {len(prompt)}-token prompt "
-          f"({per_cell} B of KV per cell)")
+    print("1. eviction vs full KV")
     for n_seq in args.sequences:
-        total, _, cells = generate(model, prompt, args.tokens, None, n_seq)
-        full_rate = n_seq * args.tokens / total
-        print(f"  N={n_seq} full KV          : {full_rate:6.1f} tokens/s, resident {cells * per_cell / 2**20:7.1f} MiB")
-        for policy in args.policies:
-            for budget in args.budgets:
-                total, evicting, cells = generate(model, prompt, args.tokens, KVBudget(budget=budget, policy=policy),
-                                                  n_seq)
-                rate = n_seq * args.tokens / total
-                print(f"  N={n_seq} {policy:9s} B={budget:<4d}: {rate:6.1f} tokens/s ({rate / full_rate:4.2f}x full), "
-                      f"evicting {100 * evicting / total:4.1f}% of the time, resident "
-                      f"{cells * per_cell / 2**20:7.1f} MiB ({cells / n_seq:.0f} cells per sequence)")
+        print_comparison(model, prompt, args.tokens, args.policies, args.budgets, n_seq)
 
 
 def batching(model: Model, prompt: np.ndarray, steps: int) -> None:
