@@ -1,6 +1,8 @@
 """The OpenAI-compatible server against the bundled toy preset, through the official openai client."""
 
 import dataclasses
+import json
+import socket
 import threading
 import time
 
@@ -169,22 +171,46 @@ def test_a_full_queue_answers_429_with_retry_after():
         server.close()
 
 
-def test_a_client_killed_mid_stream_frees_its_slot(looping_model):
-    # a model that repeats one token never ends a trajectory by itself: only the client leaving ends it early
+def committed_tokens(engine) -> int:
+    with engine.cond:
+        return sum(job.tokens for job in engine.running)
+
+
+@pytest.fixture
+def endless_server(looping_model):
+    """A model that repeats one token never ends a trajectory by itself: only its client leaving ends a request."""
     server = LoopbackServer(["--base", str(looping_model.path), "--helper", str(looping_model.path), "--mode",
                              "helper", "-n", "1", "-t", "1", "--prompt-template", "{problem}", "--max-tokens",
                              "100000", "--max-steps", "100000", "--max-step-tokens", "4", "--concurrency", "2"])
-    try:
-        with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "abc", "stream": True},
-                          timeout=60) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data:"))
-            assert server.metric("kvrescue_requests_in_flight") == 1
-        server.wait_idle()
-        assert server.metric("kvrescue_requests_cancelled_total") == 1
-    finally:
-        server.close()
+    yield server
+    server.close()
+
+
+def test_a_client_killed_mid_stream_frees_its_slot(endless_server):
+    server = endless_server
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "abc", "stream": True},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.metric("kvrescue_requests_in_flight") == 1
+    server.wait_idle()
+    assert server.metric("kvrescue_requests_cancelled_total") == 1
+
+
+def test_a_client_killed_mid_request_frees_its_slot_without_streaming(endless_server):
+    server = endless_server
+    body = json.dumps({"prompt": "abc"}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:  # a client that just hangs up
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        while not committed_tokens(server.served.engine):  # the request holds its slot, rounds under way
+            time.sleep(0.01)
+        assert server.metric("kvrescue_requests_in_flight") == 1
+    server.wait_idle()
+    assert server.metric("kvrescue_requests_cancelled_total") == 1
+    assert 'kvrescue_responses_total{endpoint="/v1/completions",status="200"}' not in httpx.get(f"{server.url}/metrics").text
 
 
 @pytest.mark.realmodel

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from ..errors import KVRescueError
@@ -25,6 +25,7 @@ from .engine import Engine, Job, QueueFull
 from .schemas import EXTENSION, ChatRequest, CompletionRequest, RescueFields
 
 RETRY_AFTER_SECONDS = 1
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its response; nobody receives it
 
 
 class RequestError(Exception):
@@ -97,6 +98,30 @@ class Served:
                    asyncio.get_running_loop())
 
 
+async def client_gone(request: Request) -> None:
+    """Returns when the client has closed its connection. The body is read by then, so the server's next
+    message for this request is its disconnect (sse-starlette watches a stream's the same way)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def events_while_connected(request: Request, job: Job):
+    """The job's events as the engine sends them, until the client goes away: then the job is cancelled (its slot
+    goes at the next round) and the events end, so a whole response no longer waits on a problem nobody reads."""
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        while True:
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                job.cancelled = True
+                return
+            yield event.result()
+    finally:
+        gone.cancel()
+
+
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="kvrescue-local", docs_url=None, redoc_url=None)
     metrics = served.engine.metrics
@@ -141,19 +166,21 @@ def create_app(served: Served) -> FastAPI:
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": served.model_id}
         path = request.url.path
-        if body.stream:
-            first = await job.events.get()  # an engine refusal is still an HTTP error, not a stream
-            if first[0] == "error":
-                raise RequestError(first[1][0], first[1][1], "server_error")
-            return EventSourceResponse(stream(job, first, head, chat, path), ping=15)
+        events = events_while_connected(request, job)
         steps = []
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "error":
-                raise RequestError(payload[0], payload[1], "server_error")
-            if kind == "done":
-                break
-            steps.append(payload)
+        try:
+            async for kind, payload in events:
+                if kind == "error":  # an engine refusal before a stream's first step is still an HTTP error
+                    raise RequestError(payload[0], payload[1], "server_error")
+                if body.stream:  # the stream sends this first event and watches its client itself from here on
+                    return EventSourceResponse(stream(job, (kind, payload), head, chat, path), ping=15)
+                if kind == "done":
+                    break
+                steps.append(payload)
+            else:  # the client went away: nobody reads an answer (kvrescue_requests_cancelled_total counts it)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+        finally:
+            await events.aclose()
         metrics.respond(path, 200)
         text = "".join(s["text"] for s in steps)
         extension = {"steps": [{k: s[k] for k in ("source", "score", "round")} for s in steps],
