@@ -34,7 +34,11 @@ OPTION_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
     "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
     "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "choice": "choice",
+    "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
+    "cache_type_k_helper": "helper_cache_type_k", "cache_type_v_helper": "helper_cache_type_v",
 }
+# -ctk/-ctv set the helper's caches too, unless -ctkh/-ctvh set them
+HELPER_FOLLOWS = {"cache_type_k_helper": "cache_type_k", "cache_type_v_helper": "cache_type_v"}
 
 
 def option_overrides(options: dict) -> dict:
@@ -42,6 +46,8 @@ def option_overrides(options: dict) -> dict:
     out: dict = {}
     for option, target in OPTION_FIELDS.items():
         value = options.get(option)
+        if value is None and option in HELPER_FOLLOWS:
+            value = options.get(HELPER_FOLLOWS[option])
         if value is None:
             continue
         if isinstance(target, tuple):

@@ -16,6 +16,7 @@ from ..errors import KVRescueError
 from ..eviction import policy_specs
 from ..rescue import RescueConfig
 from ..runtime import Model
+from ..runtime.context import check_cache_blocks
 
 MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
 SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 32-bit seed
@@ -153,3 +154,11 @@ def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_token
             raise KVRescueError(f"--protect-prompt keeps the prompt's {prompt_tokens} tokens, and with the recent "
                                 f"window of {kv.window} they do not fit in {budget_option} {kv.budget}: raise "
                                 f"{budget_option} to at least {needed}, or pass --evict-prompt")
+
+
+def check_cache_fit(configs: list[RescueConfig], base: Model | None, helper: Model | None) -> None:
+    """After the models open, before their contexts are made: each side's cache types must tile its heads."""
+    for config in configs:
+        for side, model, options in (("base", base, ("-ctk", "-ctv")), ("helper", helper, ("-ctk/-ctkh", "-ctv/-ctvh"))):
+            if model is not None and (config.uses_base if side == "base" else config.uses_helper):
+                check_cache_blocks(model, *config.cache_types(side), *options)
