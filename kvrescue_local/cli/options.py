@@ -110,6 +110,33 @@ class PolicySpecs(click.ParamType):
         return specs if self.several else specs[0]
 
 
+class Names(click.ParamType):
+    """One name of `allowed` (case as `allowed` spells it, matched in any case), or a comma-separated list of them
+    (several), each named once."""
+
+    def __init__(self, allowed, what: str, several: bool = False, fold_case: bool = True) -> None:
+        self.allowed, self.what, self.several, self.fold_case = list(allowed), what, several, fold_case
+        self.name = what
+
+    def convert(self, value, param, ctx) -> str | list[str]:
+        if isinstance(value, list):
+            return value
+        spelled = {(a.lower() if self.fold_case else a): a for a in self.allowed}
+        items = [x.strip() for x in str(value).split(",") if x.strip()] if self.several else [str(value).strip()]
+        names = []
+        for item in items:
+            name = spelled.get(item.lower() if self.fold_case else item)
+            if name is None:
+                self.fail(f"{item!r} is not a {self.what}: use {', '.join(self.allowed)}", param, ctx)
+            names.append(name)
+        if not names:
+            self.fail(f"{value!r} names no {self.what}: give one or more of {', '.join(self.allowed)}", param, ctx)
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            self.fail(f"{', '.join(repeated)} is given more than once: name each {self.what} once", param, ctx)
+        return names if self.several else names[0]
+
+
 class PromptTemplate(click.ParamType):
     """A prompt template: {problem} where the problem goes and no other field ({{ and }} for literal braces)."""
 
