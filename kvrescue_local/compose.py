@@ -110,6 +110,12 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     return Selection(paths, source, parse_endpoints(options["rpc"]) if options.get("rpc") else ())
 
 
+def open_model(selection: Selection, config: RescueConfig, path: Path) -> Model:
+    """A base or helper model with the run's offload: over RPC every layer goes to the servers unless -ngl says how
+    many."""
+    return Model(path, n_gpu_layers=config.n_gpu_layers or (ALL_LAYERS if selection.rpc else 0), rpc=selection.rpc)
+
+
 def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,
                 max_candidates: int, problems: list[str], prompt_given: bool = False,
                 prm_ctx: int = 0) -> tuple[RescueConfig, Models]:
@@ -128,10 +134,8 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
         raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset "
                             f"{selection.preset.name if selection.preset else 'NAME'}` trains one (or pass --prm with a "
                             "converted PRM)")
-    # over RPC every layer goes to the servers unless -ngl says how many
-    layers = config.n_gpu_layers or (ALL_LAYERS if selection.rpc else 0)
-    base = Model(paths["base"], n_gpu_layers=layers, rpc=selection.rpc) if needs_base else None
-    helper = Model(paths["helper"], n_gpu_layers=layers, rpc=selection.rpc) if needs_helper else None
+    base = open_model(selection, config, paths["base"]) if needs_base else None
+    helper = open_model(selection, config, paths["helper"]) if needs_helper else None
     template = (base or helper).metadata(PROMPT_METADATA)
     if template and not prompt_given:
         config = dataclasses.replace(config, prompt=template)

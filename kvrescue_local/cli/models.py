@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import click
 
@@ -47,7 +49,7 @@ def convert_prm_command(src: Path, out: Path, dtype: str, quantize: str | None) 
 def models_quantize(src: Path, weight_type: str, out: Path | None, allow_requantize: bool) -> None:
     """Quantize the GGUF model SRC with llama.cpp's quantizer (K-quants need rows of 256 values: a tensor whose
     rows are not falls back to a type that fits, as llama-quantize does)."""
-    from ..quantize import cached_path, check_source, file_type, quantize, tensor_types
+    from ..quantize import cached_path, check_source, file_type, quantize
 
     source_type = check_source(src, weight_type, allow_requantize)
     if out is None:
@@ -58,19 +60,47 @@ def models_quantize(src: Path, weight_type: str, out: Path | None, allow_requant
         out.parent.mkdir(parents=True, exist_ok=True)
     check_writable(out, "--out", special=False)
     started = time.perf_counter()
-    with click.progressbar(length=1, label=f"{src.name} {source_type} -> {weight_type}", file=sys.stderr) as bar:
+    with tensor_progress(f"{src.name} {source_type} -> {weight_type}", out) as on_tensor:
+        quantize(src, out, weight_type, allow_requantize, progress=on_tensor)
+    click.echo(f"wrote {describe_quantized(src, out)}, {time.perf_counter() - started:.1f} s")
+
+
+@contextmanager
+def tensor_progress(label: str, out: Path) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar over the tensors llama.cpp's quantizer starts; Ctrl-C is one line saying nothing was written."""
+    with click.progressbar(length=1, label=label, file=sys.stderr) as bar:
         def on_tensor(done: int, total: int) -> None:
             bar.length = total
             bar.update(done - bar.pos)
 
         try:
-            quantize(src, out, weight_type, allow_requantize, progress=on_tensor)
+            yield on_tensor
         except KeyboardInterrupt:
             click.echo(f"\ninterrupted: nothing written to {out}", err=True)
             raise SystemExit(130)
+
+
+def describe_quantized(src: Path, out: Path) -> str:
+    """What a quantization made: the file, its type and size, and its tensors' types (K-quants fall back per tensor
+    where rows are not multiples of 256)."""
+    from ..quantize import file_type, tensor_types
+
     made = ", ".join(f"{name} x{count}" for name, count in sorted(tensor_types(out).items()))
-    click.echo(f"wrote {out} ({file_type(out)}, {src.stat().st_size / 2**20:.2f} -> {out.stat().st_size / 2**20:.2f} MiB, "
-               f"{time.perf_counter() - started:.1f} s); tensors: {made}")
+    return (f"{out} ({file_type(out)}, {src.stat().st_size / 2**20:.2f} -> {out.stat().st_size / 2**20:.2f} MiB; "
+            f"tensors: {made})")
+
+
+def quantized_with_progress(src: Path, weight_type: str, allow_requantize: bool) -> Path:
+    """src at weight_type from the model cache, made there (with a progress bar) the first time."""
+    from ..quantize import cached_path, file_type, quantized
+
+    if cached_path(src, weight_type).exists() or file_type(src) == weight_type:
+        return quantized(src, weight_type, allow_requantize)[0]
+    with tensor_progress(f"{src.name} -> {weight_type}", cached_path(src, weight_type)) as on_tensor:
+        path, made = quantized(src, weight_type, allow_requantize, progress=on_tensor)
+    if made:
+        click.echo(f"made {describe_quantized(src, path)}", err=True)
+    return path
 
 
 @models.command("list")

@@ -16,7 +16,7 @@ from ..errors import KVRescueError
 from ..eviction import policy_specs
 from ..rescue import RescueConfig
 from ..runtime import Model
-from ..runtime.context import check_cache_blocks
+from ..runtime.context import CACHE_TYPES, check_cache_blocks
 
 MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
 SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 32-bit seed
@@ -135,6 +135,28 @@ class Names(click.ParamType):
         if repeated:
             self.fail(f"{', '.join(repeated)} is given more than once: name each {self.what} once", param, ctx)
         return names if self.several else names[0]
+
+
+class CacheTypeList(click.ParamType):
+    """Comma-separated KV cache types for the sweep, each `TYPE` (K and V) or `K/V`, each named once."""
+
+    name = "cache types"
+
+    def convert(self, value, param, ctx) -> list[str]:
+        if isinstance(value, list):
+            return value
+        labels = [x.strip() for x in str(value).split(",") if x.strip()]
+        if not labels:
+            self.fail(f"{value!r} names no cache type: give e.g. f16,q8_0,q4_0 (or K/V such as q8_0/f16)", param, ctx)
+        for label in labels:
+            parts = label.split("/")
+            unknown = [p for p in parts if p not in CACHE_TYPES]
+            if len(parts) > 2 or unknown:
+                self.fail(f"{label!r} is not TYPE or K/V of the KV cache types {', '.join(CACHE_TYPES)}", param, ctx)
+        repeated = sorted({x for x in labels if labels.count(x) > 1})
+        if repeated:
+            self.fail(f"{', '.join(repeated)} is given more than once: name each cache type once", param, ctx)
+        return labels
 
 
 class PromptTemplate(click.ParamType):
