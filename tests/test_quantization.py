@@ -143,3 +143,70 @@ def test_eviction_per_head_runs_on_quantized_caches(base_path, helper_path, cach
     assert trajectory["config"]["kv"]["policy"] == "rkv"  # per (layer, KV head): compaction moves the blocks
     assert trajectory["evictions"]["evictions"] > 0 and trajectory["evictions"]["fallback_evictions"] == 0
     assert trajectory["config"]["cache_type_k"] == trajectory["config"]["cache_type_v"] == cache
+
+
+@pytest.fixture
+def sweep(base_path, helper_path, monkeypatch, tmp_path):
+    """A sweep of the tiny pair over weights (F32 as written, Q8_0 made into the cache) and KV cache types."""
+    monkeypatch.setattr(quantize, "QUANTIZED_DIR", tmp_path / "cache")
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "problem": f"{i}+{i}=?", "answer": str(2 * i)}) + "\n"
+                            for i in range(2)))
+
+    def run(results, *more):
+        return invoke("bench", "run", "--data", data, "--base", base_path, "--helper", helper_path, "--modes",
+                      "full,bon,kvrescue", "--budgets", "16", "--buffer", "8", "--ns", "1", "--evict-prompt",
+                      "--max-tokens", "40", "--max-step-tokens", "12", "-t", "1", "-fa", "on", "--results", results,
+                      *more)
+    return run
+
+
+def test_a_sweep_crosses_weight_types_and_cache_types_and_records_them(sweep, tmp_path):
+    results = tmp_path / "r.jsonl"
+    done = sweep(results, "--weight-types", "F16,Q8_0", "--cache-types", "f16,q8_0,q4_0/f16")
+    assert done.exit_code == 0, done.output
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    axes = {(r["config"]["mode"], r["config"]["weights"], r["config"]["kv_cache"]) for r in rows}
+    assert len(rows) == 2 * len(axes) and len(axes) == 2 * 3 * 3  # (full, bon, kvrescue) x weights x caches
+    assert len(list((tmp_path / "cache").iterdir())) == 2  # each type made once
+    for row in rows:
+        kv, weights = row["setup"]["kv"], row["setup"]["weights"]
+        type_k, _, type_v = row["config"]["kv_cache"].partition("/")
+        assert (kv["base"]["type_k"], kv["base"]["type_v"]) == (type_k, type_v or type_k)
+        assert weights["type"] == weights["label"] == row["config"]["weights"]
+        if row["config"]["mode"] == "kvrescue":
+            # --cache-types sets the helper's too, as -ctk/-ctv do
+            assert (kv["helper"]["type_k"], kv["helper"]["type_v"]) == (kv["base"]["type_k"], kv["base"]["type_v"])
+    cells = {r["config"]["kv_cache"]: r["setup"]["kv"]["base"]["cell_bytes"] for r in rows}
+    assert cells["q8_0"] == cells["f16"] * 34 / 64 and cells["q4_0/f16"] == cells["f16"] * (18 / 32 + 2) / 4
+    again = sweep(results, "--weight-types", "F16,Q8_0", "--cache-types", "f16,q8_0,q4_0/f16", "--resume")
+    assert again.exit_code == 0 and "0 new results" in again.output, again.output
+    report = invoke("report", results)
+    assert report.exit_code == 0, report.output
+    table2 = report.output.split("Table 1")[0]
+    assert "weights" in table2 and "Q8_0" in table2 and "q4_0/f16" in table2
+    assert table2.count("KV-Rescue recovers") <= 2 * 3  # each kvrescue row against full and bon of its own axes
+
+
+def test_a_sweep_refuses_a_quantized_v_without_flash_attention_before_loading(sweep, tmp_path):
+    result = sweep(tmp_path / "r.jsonl", "--cache-types", "f16,q8_0", "-fa", "off")
+    assert "--cache-types q8_0" in one_error_line(result) and "-fa on" in result.output
+    assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_results_file_from_before_cache_types_reports_and_resumes_as_f16(sweep, tmp_path):
+    results = tmp_path / "r.jsonl"
+    assert sweep(results).exit_code == 0
+    old = []
+    for line in results.read_text().splitlines():  # as rows were written before KV cache types were axes
+        row = json.loads(line)
+        for field in ("weights", "kv_cache", "helper_kv_cache"):
+            row["config"].pop(field)
+        row["config"]["kv_type"] = row["setup"]["settings"]["kv_type"] = "f16"
+        del row["setup"]["kv"], row["setup"]["weights"]
+        old.append(json.dumps(row) + "\n")
+    results.write_text("".join(old))
+    report = invoke("report", results)
+    assert report.exit_code == 0 and "weights" not in report.output and "setup" not in report.output, report.output
+    again = sweep(results, "--resume")
+    assert again.exit_code == 0 and "0 new results" in again.output, again.output
