@@ -7,13 +7,14 @@ decodes it at a few dozen tokens/s.
 
 import numpy as np
 import pytest
+from decoding import greedy_evictions
 
 from kvrescue_local import presets
 from kvrescue_local.bench.grade import is_correct
 from kvrescue_local.detect import Detector, DetectorParams, token_entropy
-from kvrescue_local.eviction import KVBudget
+from kvrescue_local.eviction import BudgetedSequences, KVBudget, reference
 from kvrescue_local.rescue import QWEN_MATH_COT, Generator, Request, Rescue, RescueConfig, check_compatible
-from kvrescue_local.runtime import Model, SamplingParams
+from kvrescue_local.runtime import Context, ContextParams, Model, SamplingParams
 from kvrescue_local.runtime.attention import cell_scores, key_rows
 from kvrescue_local.wheels import WHEEL_MODELS, pull
 
@@ -58,6 +59,31 @@ def test_budgeted_candidates_with_rkv_on_every_layer(coder):
             assert np.isfinite(scores).all() and scores.sum() > 0
             keys = key_rows(gen.ctx, layer, cells)
             assert keys.shape == (len(cells), 2 * 64) and np.isfinite(keys).all() and np.abs(keys).max() > 0
+
+
+@pytest.mark.parametrize("kv_type, flash_attn", [("f16", "off"), ("q8_0", "on")])
+def test_per_head_rkv_keeps_in_each_head_what_the_reference_selects(coder, kv_type, flash_attn):
+    """On the real 0.5B (24 layers x 2 KV heads, head size 64), per-head rkv's compaction leaves each
+    (layer, KV head) holding exactly what eviction/reference.py selects, f16 with transposed V and a
+    q8_0 cache with flash attention, and the map follows a fork."""
+    budget = KVBudget(budget=32, buffer=16, window=8, policy="rkv")
+    ctx = Context(coder, ContextParams(n_ctx=budget.context_cells(2, 256), n_seq_max=2, kv_type=kv_type,
+                                       flash_attn=flash_attn))
+    seqs = BudgetedSequences(ctx, budget)
+    prompt = coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM))[:40]
+    checked = 0
+    for inputs, kept in greedy_evictions(ctx, seqs, ctx.prefill(0, prompt), 120):
+        attention = inputs.window_attention[..., :-budget.window]
+        attention = attention / attention.sum(axis=-1, keepdims=True)
+        np.testing.assert_array_equal(kept, reference.select(inputs.keys, attention, budget.budget, budget.window))
+        held = np.sort(seqs.entries(0, ctx.cells(0)[1]), axis=-1)
+        np.testing.assert_array_equal(held, inputs.head_positions[kept].reshape(held.shape))
+        assert ctx.n_cells(0) <= budget.budget + budget.buffer
+        checked += 1
+        if checked == 2:
+            seqs.fork(0, 1)
+            np.testing.assert_array_equal(seqs.entries(1, ctx.cells(1)[1]), seqs.entries(0, ctx.cells(0)[1]))
+    assert checked >= 3 and seqs.moved_heads > 0
 
 
 def test_detector_on_real_logits(coder):
