@@ -203,6 +203,13 @@ class Summary:
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
 
     @property
+    def budget_kv_bytes(self) -> float | None:
+        """An evicting configuration's base KV bytes per sequence: budget × the bytes of a cell of its cache types
+        (None: no eviction, rows from before cells' bytes were recorded, or several setups pooled)."""
+        cell = ((self.setup or {}).get("kv") or {}).get("base", {}).get("cell_bytes")
+        return None if cell is None or self.key.budget is None else float(self.key.budget * cell)
+
+    @property
     def helper_step_share(self) -> float | None:
         """%, of the committed steps, those the helper wrote (modes that run both models)."""
         total = sum(self.steps_from.values())

@@ -81,16 +81,9 @@ def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path |
     return path
 
 
-def kv_bytes_per_sequence(s: Summary) -> float | None:
-    """An evicting configuration's base KV bytes per sequence: budget × bytes per cell (None: its rows predate
-    recording the cell's bytes, or pool several setups)."""
-    cell = ((s.setup or {}).get("kv") or {}).get("base", {}).get("cell_bytes")
-    return None if cell is None or s.key.budget is None else float(s.key.budget * cell)
-
-
 def memory_accuracy(items: list[Summary], path: Path, title: str = "") -> Path | None:
     Figure = _figure_class()
-    points = [(s, kv_bytes_per_sequence(s)) for s in items if s.key.evicts]
+    points = [(s, s.budget_kv_bytes) for s in items if s.key.evicts]
     points = [(s, x) for s, x in points if x is not None]
     if not points:
         return None

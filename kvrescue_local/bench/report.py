@@ -147,12 +147,15 @@ def _config_cells(s: Summary, with_dataset: bool, with_setup: bool, with_quantiz
         cells += [s.key.weights or "-", s.key.kv_cache if s.key.uses_base else "-",
                   s.key.helper_kv_cache if s.key.uses_helper else "-"]
     cells += [s.key.mode_label, "-" if s.key.budget is None else str(s.key.budget), str(s.key.n), s.key.policy or "-"]
+    if with_quantization:
+        cells.append("-" if s.budget_kv_bytes is None else fmt(s.budget_kv_bytes / MIB, 3))
     return cells + ([s.key.setup] if with_setup else [])
 
 
 def _config_headers(with_dataset: bool, with_setup: bool, with_quantization: bool = False) -> list[str]:
     return ((["dataset"] if with_dataset else []) + (["weights", "KV", "helper KV"] if with_quantization else [])
-            + ["mode", "budget", "N", "policy"] + (["setup"] if with_setup else []))
+            + ["mode", "budget", "N", "policy"] + (["KV MiB/seq"] if with_quantization else [])
+            + (["setup"] if with_setup else []))
 
 
 def table2(items: list[Summary]) -> Table:
