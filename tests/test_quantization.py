@@ -1,6 +1,7 @@
 """Weight quantization through llama.cpp's quantizer (`models quantize`) and the KV cache types (-ctk/-ctv)."""
 
 import ctypes
+import importlib.util
 import json
 from pathlib import Path
 
@@ -186,6 +187,10 @@ def test_a_sweep_crosses_weight_types_and_cache_types_and_records_them(sweep, tm
     table2 = report.output.split("Table 1")[0]
     assert "weights" in table2 and "Q8_0" in table2 and "q4_0/f16" in table2
     assert table2.count("KV-Rescue recovers") <= 2 * 3  # each kvrescue row against full and bon of its own axes
+    if importlib.util.find_spec("matplotlib"):
+        plots = invoke("report", results, "--plots", tmp_path / "plots")
+        assert plots.exit_code == 0 and "memory_accuracy.png" in plots.output, plots.output
+        assert (tmp_path / "plots" / "memory_accuracy.png").stat().st_size > 10_000
 
 
 def test_a_sweep_refuses_a_quantized_v_without_flash_attention_before_loading(sweep, tmp_path):
