@@ -93,6 +93,7 @@ def memory_accuracy(items: list[Summary], path: Path, title: str = "") -> Path |
     colours = ["#1f6fb2", "#c0392b", "#2e8b57", "#8e44ad", "#e08a1e", "#333333", "#16a085", "#7f8c8d"]
     colour = {w: colours[i % len(colours)] for i, w in enumerate(weights)}
     several_n = len({s.key.n for s, _ in points}) > 1
+    several_caches = len({s.key.kv_cache for s, _ in points}) > 1
     lines: dict[tuple, list[tuple[Summary, float]]] = {}
     for s, x in points:
         lines.setdefault((s.key.mode_label, s.key.weights, s.key.n), []).append((s, x))
@@ -101,7 +102,7 @@ def memory_accuracy(items: list[Summary], path: Path, title: str = "") -> Path |
         ax.plot([x / 1024 for _, x in group], [s.pass1 for s, _ in group], color=colour[weight],
                 linestyle="-" if mode == "kvrescue" else "--", marker="o" if mode == "kvrescue" else "s",
                 label=f"{mode} {weight or 'base'}" + (f" N={n}" if several_n else ""))
-        for s, x in group:
+        for s, x in group if several_caches else []:  # which KV cache types a point ran with
             ax.annotate(f"{s.key.kv_cache} b{s.key.budget}", (x / 1024, s.pass1), fontsize=6, alpha=0.7,
                         textcoords="offset points", xytext=(3, 3))
     for s in items:
