@@ -70,12 +70,17 @@ def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path |
         ax.set_xticks(budgets, [str(b) for b in budgets])
         if len(budgets) == 1:
             ax.set_xlim(budgets[0] / 1.5, budgets[0] * 1.5)
-    ax.set_xlabel("base KV budget (entries)")
+    return finish_pass1(fig, ax, path, "base KV budget (entries)", title or "pass@1 vs KV budget", legend_size=8)
+
+
+def finish_pass1(fig, ax, path: Path, xlabel: str, title: str, legend_size: int) -> Path:
+    """Label a pass@1 figure's axes and write it."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("pass@1 (%)")
     ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
-    ax.set_title(title or "pass@1 vs KV budget")
-    ax.legend(fontsize=8, loc="best")
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size, loc="best")
     fig.tight_layout()
     write_figure(fig, path, "--plots")
     return path
@@ -113,15 +118,8 @@ def memory_accuracy(items: list[Summary], path: Path, title: str = "") -> Path |
     ticks = sorted({x / 1024 for _, x in points})
     ax.set_xticks(ticks, [f"{t:,.1f}" for t in ticks], fontsize=7)
     ax.minorticks_off()
-    ax.set_xlabel("base KV per sequence (KiB): budget x bytes per cell of its KV cache types")
-    ax.set_ylabel("pass@1 (%)")
-    ax.set_ylim(-2, 102)
-    ax.grid(alpha=0.3)
-    ax.set_title(title or "pass@1 vs KV memory")
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    write_figure(fig, path, "--plots")
-    return path
+    return finish_pass1(fig, ax, path, "base KV per sequence (KiB): budget x bytes per cell of its KV cache types",
+                        title or "pass@1 vs KV memory", legend_size=7)
 
 
 def step_sources(items: list[Summary], path: Path, title: str = "") -> Path | None:
