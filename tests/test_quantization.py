@@ -215,3 +215,20 @@ def test_a_results_file_from_before_cache_types_reports_and_resumes_as_f16(sweep
     assert report.exit_code == 0 and "weights" not in report.output and "setup" not in report.output, report.output
     again = sweep(results, "--resume")
     assert again.exit_code == 0 and "0 new results" in again.output, again.output
+
+
+def test_the_concurrency_memory_check_counts_the_cache_types_bytes(base_model, helper_model):
+    from kvrescue_local.rescue import RescueConfig
+    from kvrescue_local.rescue.config import cache_fields
+    from kvrescue_local.rescue.limits import kv_memory
+
+    def need(type_k, type_v, **helper):
+        # streaming keeps no attention scores, whose accumulators are floats whatever the cache types
+        config = RescueConfig(mode="kvrescue", n=1, flash_attn="on", **{**cache_fields(type_k, type_v), **helper})
+        config = config.with_overrides({"kv": {"policy": "streaming"}})
+        return kv_memory(config, 4, base_model, helper_model, None, 0, 64)
+
+    f16, q4 = need("f16", "f16"), need("q4_0", "q4_0")
+    assert q4 == pytest.approx(f16 * 18 / 64, rel=0.01)  # every cell of both contexts at 18 bytes per 32 values
+    base_only = need("q4_0", "q4_0", helper_cache_type_k="f16", helper_cache_type_v="f16")
+    assert q4 < base_only < f16
