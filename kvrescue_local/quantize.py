@@ -124,7 +124,7 @@ def quantize(src: Path, out: Path, weight_type: str, allow_requantize: bool = Fa
     with write_replacing(out, option) as tmp:
         package_root = str(Path(__file__).resolve().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
-        # its own session: Ctrl-C reaches this process, which kills the child before removing what it wrote
+        # a process group of its own: Ctrl-C reaches this process, which kills the child before removing its output
         child = subprocess.Popen([sys.executable, "-m", "kvrescue_local.quantize", str(src), str(tmp),
                                   str(WEIGHT_TYPES[weight_type]), "1" if allow_requantize else "0"],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
