@@ -34,7 +34,11 @@ OPTION_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
     "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
     "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "choice": "choice",
+    "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
+    "cache_type_k_helper": "helper_cache_type_k", "cache_type_v_helper": "helper_cache_type_v",
 }
+# -ctk/-ctv set the helper's caches too, unless -ctkh/-ctvh set them
+HELPER_FOLLOWS = {"cache_type_k_helper": "cache_type_k", "cache_type_v_helper": "cache_type_v"}
 
 
 def option_overrides(options: dict) -> dict:
@@ -42,6 +46,8 @@ def option_overrides(options: dict) -> dict:
     out: dict = {}
     for option, target in OPTION_FIELDS.items():
         value = options.get(option)
+        if value is None and option in HELPER_FOLLOWS:
+            value = options.get(HELPER_FOLLOWS[option])
         if value is None:
             continue
         if isinstance(target, tuple):
@@ -104,6 +110,12 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     return Selection(paths, source, parse_endpoints(options["rpc"]) if options.get("rpc") else ())
 
 
+def open_model(selection: Selection, config: RescueConfig, path: Path) -> Model:
+    """A base or helper model with the run's offload: over RPC every layer goes to the servers unless -ngl says how
+    many."""
+    return Model(path, n_gpu_layers=config.n_gpu_layers or (ALL_LAYERS if selection.rpc else 0), rpc=selection.rpc)
+
+
 def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,
                 max_candidates: int, problems: list[str], prompt_given: bool = False,
                 prm_ctx: int = 0) -> tuple[RescueConfig, Models]:
@@ -122,10 +134,8 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
         raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset "
                             f"{selection.preset.name if selection.preset else 'NAME'}` trains one (or pass --prm with a "
                             "converted PRM)")
-    # over RPC every layer goes to the servers unless -ngl says how many
-    layers = config.n_gpu_layers or (ALL_LAYERS if selection.rpc else 0)
-    base = Model(paths["base"], n_gpu_layers=layers, rpc=selection.rpc) if needs_base else None
-    helper = Model(paths["helper"], n_gpu_layers=layers, rpc=selection.rpc) if needs_helper else None
+    base = open_model(selection, config, paths["base"]) if needs_base else None
+    helper = open_model(selection, config, paths["helper"]) if needs_helper else None
     template = (base or helper).metadata(PROMPT_METADATA)
     if template and not prompt_given:
         config = dataclasses.replace(config, prompt=template)

@@ -13,7 +13,9 @@ import errno
 import io
 import os
 import stat
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .errors import KVRescueError
 
@@ -97,18 +99,31 @@ def write_output(path: str | Path, data: bytes | str, option: str) -> Path:
     if info is not None and not stat.S_ISREG(info.st_mode):
         write_through(target, data, stat.S_ISFIFO(info.st_mode), option)
         return Path(path)
+    with replacing(target, info) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+@contextmanager
+def replacing(target: Path, info: os.stat_result | None) -> Iterator[Path]:
+    """A temporary path beside target for any writer to fill (llama.cpp's quantizer too); when the block ends it is
+    fsynced and renamed over target (which keeps its permissions), and when the block raises it is removed."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        with tmp.open("wb") as out:
-            out.write(data)
-            out.flush()
+        yield tmp
+        with tmp.open("rb+") as out:
             os.fsync(out.fileno())
         if info is not None:
-            os.chmod(tmp, stat.S_IMODE(info.st_mode))  # a replaced file keeps its permissions
+            os.chmod(tmp, stat.S_IMODE(info.st_mode))
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    return Path(path)
+
+
+def write_replacing(path: str | Path, option: str) -> AbstractContextManager[Path]:
+    """replacing() for a regular file at path (a symlink's target), checked as write_output checks it."""
+    target, info = output_target(path, option, special=False)
+    return replacing(target, info)
 
 
 def write_figure(figure, path: str | Path, option: str) -> Path:

@@ -143,9 +143,12 @@ def load_preset(name: str, offline: bool | None = None) -> Preset:
 
 
 def preset_of(role: str, path: Path) -> Preset | None:
-    """The bundled preset whose `role` model is the file at `path` (its prompt and recipe apply), if any."""
+    """The bundled preset whose `role` model is the file at `path`, or a quantization of it by `models quantize`
+    into the cache (its prompt and recipe apply), if any."""
+    from .quantize import is_copy_of
+
     for name in BUNDLED:
-        directory = SHIPPED_MODELS / name
-        if (directory / f"{role}.gguf").exists() and Path(path).resolve() == (directory / f"{role}.gguf").resolve():
+        own = SHIPPED_MODELS / name / f"{role}.gguf"
+        if own.exists() and (Path(path).resolve() == own.resolve() or is_copy_of(path, own)):
             return bundled_preset(name)
     return None

@@ -58,7 +58,7 @@ def greedy_tokens(model: Model, prompt: str, n: int) -> np.ndarray:
 def capture(model: Model, tokens: np.ndarray, window: int) -> dict:
     """Keys, the patch's per-layer window attention and R-KV's per-head window attention after `tokens`."""
     graph = GraphCapture(prefixes=("kq-",))
-    ctx = graph.context(model, ContextParams(n_ctx=len(tokens) + 64, kv_type="f32", flash_attn="off"))
+    ctx = graph.context(model, ContextParams(n_ctx=len(tokens) + 64, type_k="f32", type_v="f32", flash_attn="off"))
     enable_scores(ctx, window)
     graph.enabled = False
     ctx.prefill(0, tokens[:-window])
@@ -82,7 +82,7 @@ def capture(model: Model, tokens: np.ndarray, window: int) -> dict:
 
 def per_head_attention(model: Model, tokens: np.ndarray, window: int) -> np.ndarray:
     """[n_layer, n_head_kv, n]: the patch's per-KV-head window attention, as a per-head eviction reads it."""
-    ctx = Context(model, ContextParams(n_ctx=len(tokens) + 64, kv_type="f32", flash_attn="off"))
+    ctx = Context(model, ContextParams(n_ctx=len(tokens) + 64, type_k="f32", type_v="f32", flash_attn="off"))
     enable_scores(ctx, window, per_head=True)
     observe_scores(ctx, 0, False)
     ctx.prefill(0, tokens[:-window])

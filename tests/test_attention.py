@@ -13,7 +13,7 @@ from kvrescue_local.runtime.attention import (GraphCapture, cell_scores, copy_sc
                                               n_embd_k_gqa, observe_scores, reset_scores)
 
 PROMPT = "<|im_start|>user\nCompute a+b where a=17 and b=25.<|im_end|>\n<|im_start|>assistant\n"
-EXACT = dict(kv_type="f32", flash_attn="off")
+EXACT = dict(type_k="f32", type_v="f32", flash_attn="off")
 N_OBS = 4
 
 
@@ -129,7 +129,7 @@ def test_flash_attention_on_and_off_agree(base_model):
     prompt = base_model.tokenize(PROMPT)
     scores = {}
     for fa in ("off", "on"):
-        ctx = Context(base_model, ContextParams(n_ctx=256, flash_attn=fa, kv_type="f16"))
+        ctx = Context(base_model, ContextParams(n_ctx=256, flash_attn=fa, type_k="f16", type_v="f16"))
         enable_scores(ctx, N_OBS)
         ctx.prefill(0, prompt)
         for token in b"a+b=42":
@@ -269,7 +269,7 @@ def test_key_rows_are_the_post_rope_keys(base_model):
         key_rows(ctx, -1, [0])
 
     # an F16 cache gives the same keys to F16 precision
-    half = Context(base_model, ContextParams(n_ctx=256, kv_type="f16", flash_attn="off"))
+    half = Context(base_model, ContextParams(n_ctx=256, type_k="f16", type_v="f16", flash_attn="off"))
     half.prefill(0, prompt)
     np.testing.assert_allclose(key_rows(half, 2, half.cells(0)[0]), key_rows(ctx, 2, cells), rtol=0, atol=2e-2)
 

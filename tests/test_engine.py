@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.compose import preset_config
+from kvrescue_local.rescue.config import cache_fields
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.presets import load_preset
 from kvrescue_local.prm import PRM, PRMParams
@@ -30,7 +31,7 @@ def toy():
 def solve_all(toy, config, problems, concurrency):
     preset, base, helper = toy
     prm = PRM(preset.prm, PRMParams(n_ctx=config.prm_context(400), max_candidates=config.candidates_per_round,
-                                    kv_type=config.kv_type)) if config.candidates_per_round > 1 else None
+                                    kv_type=config.cache_type_k)) if config.candidates_per_round > 1 else None
     engine = Rescue(config, base, helper, prm, prompt_tokens_max=longest_prompt(config, [base, helper], problems),
                     concurrency=concurrency)
     finished = [(problem, trajectory) for problem, trajectory, error in engine.run(problems) if not error]
@@ -47,7 +48,8 @@ def outcome(trajectory):
 def test_a_problems_trajectory_does_not_depend_on_what_shares_its_batch(toy, mode):
     """F32 KV and greedy sampling: K = 1 and K = 8 (10 problems, so finished slots take new ones) give the
     same trajectories, evictions included."""
-    config = preset_config(toy[0], mode=mode, n=2, kv={"budget": 48}, kv_type="f32", temperature=0.0)
+    config = preset_config(toy[0], mode=mode, n=2, kv={"budget": 48}, **cache_fields("f32", "f32"),
+                           temperature=0.0)
     problems = [p.text for p in held_out(10)]
     alone, order_alone = solve_all(toy, config, problems, 1)
     together, order_together = solve_all(toy, config, problems, 8)
@@ -65,7 +67,8 @@ def test_sampled_trajectories_come_from_the_problem_not_the_batch(toy):
     """Seeds are derived from the problem's text: sampling at temperature 1, a problem solved alone with `solve`
     and inside a batch of 4 ends the same, and a different seed changes it."""
     # the shared set leaves the toy base unsure enough for the seed to show (per head it solves this one alike)
-    config = preset_config(toy[0], mode="kvrescue", n=2, kv={"budget": 48, "policy": "rkv:heads=shared"}, kv_type="f32")
+    config = preset_config(toy[0], mode="kvrescue", n=2, kv={"budget": 48, "policy": "rkv:heads=shared"},
+                           **cache_fields("f32", "f32"))
     problems = [p.text for p in held_out(5)]
     batched, _ = solve_all(toy, config, problems, 4)
     preset, base, helper = toy

@@ -81,7 +81,7 @@ def test_unpatched_library():
 
 def test_bad_context_settings(base_model):
     with pytest.raises(KVRescueError):
-        Context(base_model, ContextParams(kv_type="f8"))
+        Context(base_model, ContextParams(type_k="f8"))
     with pytest.raises(KVRescueError):
         Context(base_model, ContextParams(flash_attn="maybe"))
 

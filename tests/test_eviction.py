@@ -152,7 +152,7 @@ def test_a_40_token_chunk_across_the_limit_ranks_by_the_last_window_queries(base
     the tokens arrive: checked against a second context that only ever observes those queries."""
     budget = KVBudget(budget=24, buffer=16, window=8, policy=policy)  # limit 40
     tokens = token_stream(base_model, 60)
-    params = ContextParams(n_ctx=256, kv_type="f32", flash_attn="off")
+    params = ContextParams(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off")
     seqs = BudgetedSequences(Context(base_model, params), budget)
     ingest(seqs, 0, tokens[:20], most=512)
     seen = []
@@ -267,7 +267,7 @@ def test_a_budget_larger_than_the_generation_changes_nothing(base_model):
     prompt = base_model.tokenize(PROMPT)
 
     def greedy(budgeted):
-        ctx = Context(base_model, ContextParams(n_ctx=2048, kv_type="f32", flash_attn="off"))
+        ctx = Context(base_model, ContextParams(n_ctx=2048, type_k="f32", type_v="f32", flash_attn="off"))
         seqs = BudgetedSequences(ctx, KVBudget(budget=1000, buffer=128)) if budgeted else None
         row = ctx.prefill(0, prompt)
         out = []

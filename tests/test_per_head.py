@@ -10,8 +10,9 @@ from kvrescue_local.runtime.attention import GraphCapture, enable_scores, head_s
 from kvrescue_local.runtime.compaction import compact
 
 PROMPT = "Q: Tom has 17 apples and buys 93 more, then eats 5. How many are left?\nA: 17+93=110, 110-5=105.\n"
-# transposed V (flash attention off) and a quantized cache (flash attention on)
-CACHES = [pytest.param("f32", "off", id="f32-transposed-v"), pytest.param("q8_0", "on", id="q8_0-flash")]
+# transposed V (flash attention off) and quantized caches (flash attention on)
+CACHES = [pytest.param("f32", "off", id="f32-transposed-v"), pytest.param("q8_0", "on", id="q8_0-flash"),
+          pytest.param("q4_0", "on", id="q4_0-flash")]
 
 
 def tokens_of(model, n: int) -> np.ndarray:
@@ -44,7 +45,7 @@ def rotation_moves(ctx: Context, seq: int, cells: np.ndarray) -> list[list[int]]
 
 @pytest.mark.parametrize("kv_type, flash_attn", CACHES)
 def test_a_relocation_of_the_same_tokens_gives_the_same_greedy_tokens_for_256_steps(base_model, kv_type, flash_attn):
-    params = ContextParams(n_ctx=512, kv_type=kv_type, flash_attn=flash_attn)
+    params = ContextParams(n_ctx=512, type_k=kv_type, type_v=kv_type, flash_attn=flash_attn)
     moved, still = Context(base_model, params), Context(base_model, params)
     prompt = tokens_of(base_model, 60)
     for ctx in (moved, still):
@@ -55,8 +56,9 @@ def test_a_relocation_of_the_same_tokens_gives_the_same_greedy_tokens_for_256_st
     assert greedy(moved, 0, int(prompt[-1]), 256) == greedy(still, 0, int(prompt[-1]), 256)
 
 
-def test_a_relocation_moves_each_head_s_k_rows_exactly(base_model):
-    ctx = Context(base_model, ContextParams(n_ctx=256, kv_type="q8_0", flash_attn="on"))
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_a_relocation_moves_each_head_s_k_rows_exactly(base_model, kv_type):
+    ctx = Context(base_model, ContextParams(n_ctx=256, type_k=kv_type, type_v=kv_type, flash_attn="on"))
     ctx.prefill(0, tokens_of(base_model, 30))
     cells, _ = ctx.cells(0)
     width = base_model.n_embd_k_gqa // base_model.n_head_kv
@@ -73,7 +75,7 @@ def test_a_relocation_moves_each_head_s_k_rows_exactly(base_model):
 def test_compacting_one_sequence_leaves_every_other_sequence_byte_identical(base_model, kv_type, flash_attn):
     """Seq 1 is a fork of seq 0 and shares its cells with seqs 0 and 2: its compaction moves it to free cells.
     The other context moves each head into its own cell, so that both lay their cells out alike."""
-    params = ContextParams(n_ctx=512, n_seq_max=3, kv_type=kv_type, flash_attn=flash_attn)
+    params = ContextParams(n_ctx=512, n_seq_max=3, type_k=kv_type, type_v=kv_type, flash_attn=flash_attn)
     moved, still = Context(base_model, params), Context(base_model, params)
     prompt = tokens_of(base_model, 40)
     for ctx in (moved, still):
@@ -97,7 +99,7 @@ def test_compacting_one_sequence_leaves_every_other_sequence_byte_identical(base
 
 def test_every_head_keeping_the_same_set_is_byte_identical_to_the_shared_set(base_model):
     budget = KVBudget(budget=24, buffer=16, window=8)
-    params = ContextParams(n_ctx=256, kv_type="f32", flash_attn="off")
+    params = ContextParams(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off")
     per_head, shared = BudgetedSequences(Context(base_model, params), budget), Context(base_model, params)
     prompt = tokens_of(base_model, 40)
     for ctx in (per_head.ctx, shared):
@@ -142,7 +144,7 @@ def test_per_head_scores_are_the_reference_s_window_attention(base_model):
     against eviction/reference.py's window_attention on the q.k logits captured through cb_eval."""
     window = 8
     capture = GraphCapture(("kq-",))
-    ctx = capture.context(base_model, ContextParams(n_ctx=256, kv_type="f32", flash_attn="off"))
+    ctx = capture.context(base_model, ContextParams(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off"))
     enable_scores(ctx, window, per_head=True)
     observe_scores(ctx, 0, False)
     tokens = tokens_of(base_model, 40)
@@ -162,7 +164,7 @@ def test_per_head_scores_are_the_reference_s_window_attention(base_model):
 
 def test_layer_0_attention_after_compaction_is_numpy_attention_over_each_head_s_kept_entries(base_model):
     capture = GraphCapture(("Qcur-0", "Kcur-0", "Vcur-0", "kqv_out-0"))
-    ctx = capture.context(base_model, ContextParams(n_ctx=256, n_seq_max=1, kv_type="f32", flash_attn="off"))
+    ctx = capture.context(base_model, ContextParams(n_ctx=256, n_seq_max=1, type_k="f32", type_v="f32", flash_attn="off"))
     budget = KVBudget(budget=24, buffer=16, window=8)
     seqs = BudgetedSequences(ctx, budget)
     prompt = tokens_of(base_model, 40)

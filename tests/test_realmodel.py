@@ -61,14 +61,14 @@ def test_budgeted_candidates_with_rkv_on_every_layer(coder):
             assert keys.shape == (len(cells), 2 * 64) and np.isfinite(keys).all() and np.abs(keys).max() > 0
 
 
-@pytest.mark.parametrize("kv_type, flash_attn", [("f16", "off"), ("q8_0", "on")])
+@pytest.mark.parametrize("kv_type, flash_attn", [("f16", "off"), ("q8_0", "on"), ("q4_0", "on")])
 def test_per_head_rkv_keeps_in_each_head_what_the_reference_selects(coder, kv_type, flash_attn):
     """On the real 0.5B (24 layers x 2 KV heads, head size 64), per-head rkv's compaction leaves each
     (layer, KV head) holding exactly what eviction/reference.py selects, f16 with transposed V and a
-    q8_0 cache with flash attention, and the map follows a fork."""
+    q8_0 and a q4_0 cache with flash attention, and the map follows a fork."""
     budget = KVBudget(budget=32, buffer=16, window=8, policy="rkv")
-    ctx = Context(coder, ContextParams(n_ctx=budget.context_cells(2, 256), n_seq_max=2, kv_type=kv_type,
-                                       flash_attn=flash_attn))
+    ctx = Context(coder, ContextParams(n_ctx=budget.context_cells(2, 256), n_seq_max=2, type_k=kv_type,
+                                       type_v=kv_type, flash_attn=flash_attn))
     seqs = BudgetedSequences(ctx, budget)
     prompt = coder.tokenize(QWEN_MATH_COT.format(problem=PROBLEM))[:40]
     checked = 0

@@ -376,14 +376,14 @@ def test_plots_without_matplotlib_name_the_extra(monkeypatch, tmp_path):
 
 def test_estimate_matches_hand_computed_7b_numbers():
     base, helper = BUILTIN["7b"], BUILTIN["1.5b"]
-    assert base.kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2 == 57_344
-    assert helper.kv_bytes_per_token(2) == 2 * 28 * 2 * 128 * 2 == 28_672
-    assert BUILTIN["72b"].kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2
+    assert base.kv_bytes_per_token() == 2 * 28 * 4 * 128 * 2 == 57_344
+    assert helper.kv_bytes_per_token() == 2 * 28 * 2 * 128 * 2 == 28_672
+    assert BUILTIN["72b"].kv_bytes_per_token() == 2 * 80 * 8 * 128 * 2
     # Qwen2.5-Math-7B: 28 layers of (q,k,v with bias, o, SwiGLU 18944, 2 norms), untied 152064 x 3584 embeddings
     layer = (3584 * 3584 + 3584) + 2 * (3584 * 512 + 512) + 3584 * 3584 + 3 * 3584 * 18944 + 2 * 3584
     assert base.n_params == 28 * layer + 2 * 152064 * 3584 + 3584 == 7_615_616_512
     assert base.matmul_params == base.n_params - 152064 * 3584
-    e = estimate(base, helper, budget=64, buffer=128, kv_bytes=2, contexts=parse_contexts("1k,4k,32k"))
+    e = estimate(base, helper, budget=64, buffer=128, contexts=parse_contexts("1k,4k,32k"))
     assert [p.ctx for p in e.points] == [1024, 4096, 32768]
     p = e.points[1]
     assert p.full_kv == 4096 * 57_344 and p.base_kv == 192 * 57_344 and p.helper_kv == 4096 * 28_672
@@ -395,14 +395,16 @@ def test_estimate_matches_hand_computed_7b_numbers():
     assert row.split()[:6] == ["4,096", "224.0", "10.5", "112.0", "122.5", f"{224 / 122.5:.2f}"]
     assert "57,344 B/token" in table and "budget 64 + buffer 128 = 192" in table
     assert "| 4,096 | 224.0 | 10.5 |" in e.table(markdown=True)
-    assert estimate(base, helper, kv_bytes=1).points[0].full_kv == 1024 * 57_344 / 2
+    assert estimate(base, helper, cache=("q8_0", "q8_0")).points[0].full_kv == 1024 * 57_344 * 34 / 64
+    quantized = estimate(base, helper, cache=("q4_0", "f16"), helper_cache=("f16", "f16")).points[0]
+    assert quantized.base_kv == 192 * 57_344 * (18 / 32 + 2) / 4 and quantized.helper_kv == 1024 * 28_672
 
 
 def test_estimate_reads_a_gguf_header(base_path):
     spec = spec_from_gguf(base_path)
     shape = TINY_BASE
     assert (spec.n_layer, spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim) == (4, 128, 4, 2, 32)
-    assert spec.kv_bytes_per_token(2) == 2 * 4 * 2 * 32 * 2 == 1024
+    assert spec.kv_bytes_per_token() == 2 * 4 * 2 * 32 * 2 == 1024
     weights = random_qwen2_weights(shape, seed=1)
     assert spec.n_params == sum(w.size for w in weights.values())
     assert spec.matmul_params == spec.n_params, "tied embeddings: the table is the output head"
@@ -461,8 +463,9 @@ def test_estimate_command(base_path, tmp_path):
     out = invoke("estimate")
     assert out.exit_code == 0, out.output
     assert "Qwen2.5-Math-7B" in out.output and "57,344 B/token" in out.output and "32,768" in out.output
-    big = invoke("estimate", "--base", "72b", "--budget", "128", "--buffer", "64", "--kv-bytes", "1", "--contexts", "2k")
-    assert big.exit_code == 0 and f"{2048 * 2 * 80 * 8 * 128 / 2**20:,.1f}" in big.output
+    big = invoke("estimate", "--base", "72b", "--budget", "128", "--buffer", "64", "-ctk", "q8_0", "-ctv", "q8_0", "--contexts",
+                 "2k")
+    assert big.exit_code == 0 and f"{2048 * 2 * 80 * 8 * 128 * 34 / 32 / 2**20:,.1f}" in big.output
     tiny = invoke("estimate", "--base", base_path, "--helper", base_path, "--contexts", "1024")
     assert tiny.exit_code == 0 and "1,024 B/token" in tiny.output
     if _has_matplotlib():
@@ -509,7 +512,7 @@ def test_bad_input_errors(tmp_path):
     assert_one_line_error(invoke("estimate", "--helper", tmp_path / "fake.gguf"), "is not a GGUF file")
     assert_one_line_error(invoke("estimate", "--base", tmp_path / "missing.gguf"), "GGUF file not found")
     assert_one_line_error(invoke("estimate", "--contexts", "1k,lots"), "context lengths")
-    assert_one_line_error(invoke("estimate", "--kv-bytes", "0"), "--kv-bytes must be positive")
+    assert_one_line_error(invoke("estimate", "-ctk", "q3"), "-ctk", "q8_0")
 
 
 # --- the HTML viewer -------------------------------------------------------------------------------

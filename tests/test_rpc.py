@@ -17,6 +17,7 @@ from kvrescue_local.errors import KVRescueError
 from kvrescue_local.presets import load_preset
 from kvrescue_local.prm import PRM, PRMParams
 from kvrescue_local.rescue import Rescue, longest_prompt
+from kvrescue_local.rescue.config import cache_fields
 from kvrescue_local.runtime import Model
 from kvrescue_local.runtime.rpc import parse_endpoints, rpc_library
 
@@ -58,7 +59,7 @@ def rpc_endpoint():
 
 def toy_solve(problem: str, rpc: tuple[str, ...]):
     preset = load_preset("toy")
-    config = dataclasses.replace(preset_config(preset, temperature=0.0, n=2, n_threads=1), kv_type="f32")
+    config = dataclasses.replace(preset_config(preset, temperature=0.0, n=2, n_threads=1), **cache_fields("f32", "f32"))
     layers = -1 if rpc else 0
     base, helper = Model(preset.base, n_gpu_layers=layers, rpc=rpc), Model(preset.helper, n_gpu_layers=layers, rpc=rpc)
     prm = PRM(preset.prm, PRMParams(n_ctx=config.prm_context(len(problem.encode())), max_candidates=4, n_threads=1),

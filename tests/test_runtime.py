@@ -6,7 +6,7 @@ import pytest
 from kvrescue_local.runtime import Context, ContextParams, Sampler, SamplingParams, llama
 
 PROMPT = "<|im_start|>user\nCompute a+b where a=17 and b=25.<|im_end|>\n<|im_start|>assistant\n"
-EXACT = dict(kv_type="f32", flash_attn="off")
+EXACT = dict(type_k="f32", type_v="f32", flash_attn="off")
 
 
 def greedy_continue(ctx, seq, token, n):
@@ -173,6 +173,6 @@ def test_flash_attention_on_and_off_agree(base_model, kv_type):
     prompt = base_model.tokenize(PROMPT)
     rows = []
     for fa in ("on", "off"):
-        ctx = Context(base_model, ContextParams(n_ctx=512, kv_type=kv_type, flash_attn=fa))
+        ctx = Context(base_model, ContextParams(n_ctx=512, type_k=kv_type, type_v=kv_type, flash_attn=fa))
         rows.append(ctx.logits(ctx.prefill(0, prompt)))
     np.testing.assert_allclose(rows[0], rows[1], atol=5e-3, rtol=0)

@@ -145,7 +145,7 @@ def test_llama_cpp_logits_match_torch(tmp_path):
     p = problems(0, 1)[0]
     ids = encode(prompt(p) + p.solution + END)
     gguf = Model(write_qwen2_gguf(tmp_path / "parity.gguf", shape, model.gguf_weights()))
-    ctx = Context(gguf, ContextParams(n_ctx=512, kv_type="f32", flash_attn="off"))
+    ctx = Context(gguf, ContextParams(n_ctx=512, type_k="f32", type_v="f32", flash_attn="off"))
     n = len(ids)
     ctx.decode(np.array(ids, np.int32), np.arange(n, dtype=np.int32), np.zeros(n, np.int32), np.ones(n, np.int8))
     ours = np.stack([ctx.logits(i) for i in range(n)])

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import KVRescueError
 from ..files import check_writable, write_figure
+from ..runtime.context import CACHE_TYPES
 
 MIB = 1024 * 1024
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -42,9 +43,10 @@ class ModelSpec:
     matmul_params: int  # weights multiplied per token (the token-embedding lookup excluded unless tied)
     value_dim: int | None = None  # value length per head when it differs from the key length
 
-    def kv_bytes_per_token(self, bytes_per_elem: float = 2.0) -> float:
-        """2·L·h_kv·d_head·bytes (K and V; L·h_kv·(d_k + d_v)·bytes when they differ)."""
-        return self.n_layer * self.n_head_kv * (self.head_dim + (self.value_dim or self.head_dim)) * bytes_per_elem
+    def kv_bytes_per_token(self, type_k: str = "f16", type_v: str = "f16") -> float:
+        """L·h_kv·(d_k·bytes per K element + d_v·bytes per V element), of llama.cpp's cache types (CACHE_TYPES)."""
+        return self.n_layer * self.n_head_kv * (self.head_dim * CACHE_TYPES[type_k].element_bytes
+                                                + (self.value_dim or self.head_dim) * CACHE_TYPES[type_v].element_bytes)
 
     def attention_flops(self, entries: float) -> float:
         return 4.0 * self.n_layer * self.n_head * self.head_dim * entries
@@ -176,7 +178,8 @@ class Estimate:
     helper: ModelSpec
     budget: int
     buffer: int
-    kv_bytes: float
+    cache: tuple[str, str]  # the base's (K, V) cache types
+    helper_cache: tuple[str, str]
     points: list[Point]
 
     def table(self, markdown: bool = False) -> str:
@@ -190,10 +193,12 @@ class Estimate:
         b, h = self.base, self.helper
         notes = [
             f"base {b.name}: L={b.n_layer} d={b.n_embd} h={b.n_head} h_kv={b.n_head_kv} d_head={b.head_dim}, "
-            f"{b.n_params / 1e9:.2f}B params, KV {self.base.kv_bytes_per_token(self.kv_bytes):,.0f} B/token",
+            f"{b.n_params / 1e9:.2f}B params, KV {self.base.kv_bytes_per_token(*self.cache):,.0f} B/token "
+            f"(K {self.cache[0]}, V {self.cache[1]})",
             f"helper {h.name}: L={h.n_layer} d={h.n_embd} h={h.n_head} h_kv={h.n_head_kv} d_head={h.head_dim}, "
-            f"{h.n_params / 1e9:.2f}B params, KV {self.helper.kv_bytes_per_token(self.kv_bytes):,.0f} B/token",
-            f"per sequence; {self.kv_bytes:g} bytes per KV element; evicted base holds at most budget {self.budget} + "
+            f"{h.n_params / 1e9:.2f}B params, KV {self.helper.kv_bytes_per_token(*self.helper_cache):,.0f} B/token "
+            f"(K {self.helper_cache[0]}, V {self.helper_cache[1]})",
+            f"per sequence; evicted base holds at most budget {self.budget} + "
             f"buffer {self.buffer} = {self.budget + self.buffer} entries; FLOPs/token = 2*matmul params + "
             "4*L*h*d_head*entries held (Q.K^T and A.V).",
         ]
@@ -233,17 +238,18 @@ class Estimate:
         return write_figure(fig, path, "--plot")
 
 
-def estimate(base: ModelSpec, helper: ModelSpec, budget: int = 64, buffer: int = 128, kv_bytes: float = 2.0,
+def estimate(base: ModelSpec, helper: ModelSpec, budget: int = 64, buffer: int = 128,
+             cache: tuple[str, str] = ("f16", "f16"), helper_cache: tuple[str, str] | None = None,
              contexts=DEFAULT_CONTEXTS) -> Estimate:
+    """`cache`: the base's (K, V) cache types, llama.cpp's names; the helper's are the same unless helper_cache."""
     if budget < 1 or buffer < 0:
         raise KVRescueError(f"budget must be at least 1 and buffer at least 0 (got {budget}, {buffer})")
-    if not kv_bytes > 0:
-        raise KVRescueError(f"--kv-bytes must be positive (2 for f16, 1.0625 for q8_0, 4 for f32), not {kv_bytes}")
+    helper_cache = helper_cache or cache
     limit = budget + buffer
+    per_token, helper_per_token = base.kv_bytes_per_token(*cache), helper.kv_bytes_per_token(*helper_cache)
     points = []
     for ctx in contexts:
         held = min(ctx, limit)
-        points.append(Point(ctx, ctx * base.kv_bytes_per_token(kv_bytes), held * base.kv_bytes_per_token(kv_bytes),
-                            ctx * helper.kv_bytes_per_token(kv_bytes), base.flops_per_token(ctx),
+        points.append(Point(ctx, ctx * per_token, held * per_token, ctx * helper_per_token, base.flops_per_token(ctx),
                             base.flops_per_token(held), helper.flops_per_token(ctx)))
-    return Estimate(base, helper, budget, buffer, kv_bytes, points)
+    return Estimate(base, helper, budget, buffer, cache, helper_cache, points)

@@ -39,9 +39,11 @@ import numpy as np
 
 from ..rescue import MODES, Mode, Trajectory
 from ..rescue.record import LENGTH_CAPS
-from .results_file import differences
+from .results_file import AXIS_RECORDS, differences
 
 DEGENERATE_STEPS = 256
+DEFAULT_CACHE = "f16"  # the KV cache of rows that record none (bench.run.DEFAULT_CACHE)
+BASE_AXES = ("weights", "kv_cache")  # what the base ran with: KV-Rescue is compared with full and bon rows of the same
 RESULTS_SCHEMA = 2
 
 
@@ -81,6 +83,9 @@ class ConfigKey:
     mode: str
     setup: str = ""  # setup_label of its rows; "" when setups are pooled
     choice: str = "prm"  # how rounds with a choice chose: "prm", or "random" (the PRM's baseline)
+    weights: str = ""  # the base's label on the sweep's base axis (its weight type): "" for a run's one base
+    kv_cache: str = DEFAULT_CACHE  # the base's KV cache types, "q8_0" or "q8_0/f16" (K/V)
+    helper_kv_cache: str = DEFAULT_CACHE
 
     @property
     def mode_label(self) -> str:
@@ -88,7 +93,11 @@ class ConfigKey:
 
     @property
     def label(self) -> str:
-        return f"{self.mode_label} b{self.budget if self.budget is not None else '-'} n{self.n} {self.policy or '-'}"
+        quantized = (f" w{self.weights}" if self.weights else "") + (
+            "" if (self.kv_cache, self.helper_kv_cache) == (DEFAULT_CACHE, DEFAULT_CACHE) else f" kv {self.kv_cache}"
+            + ("" if self.helper_kv_cache == self.kv_cache else f" helper kv {self.helper_kv_cache}"))
+        return (f"{self.mode_label} b{self.budget if self.budget is not None else '-'} n{self.n} {self.policy or '-'}"
+                + quantized)
 
     @property
     def known_mode(self) -> Mode | None:
@@ -115,7 +124,8 @@ def setup_label(row: dict) -> str:
     setup = row.get("setup")
     if setup is None:
         return UNRECORDED
-    without_seed = {**setup, "settings": {k: v for k, v in setup["settings"].items() if k != "seed"}}
+    without_seed = {**{k: v for k, v in setup.items() if k not in AXIS_RECORDS},
+                    "settings": {k: v for k, v in setup["settings"].items() if k != "seed"}}
     return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
 
 
@@ -133,7 +143,9 @@ def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
     policy = cfg.get("policy", (cfg.get("kv") or {}).get("policy")) if evicts else None
     return ConfigKey(str(row.get("dataset", "")), MODES.index(mode) if mode in MODES else len(MODES),
                      None if budget is None else int(budget), int(cfg["n"]), None if policy is None else str(policy),
-                     mode, "" if pool_setups else setup_label(row), str(cfg.get("choice", "prm")))
+                     mode, "" if pool_setups else setup_label(row), str(cfg.get("choice", "prm")),
+                     str(cfg.get("weights", "")), str(cfg.get("kv_cache", DEFAULT_CACHE)),
+                     str(cfg.get("helper_kv_cache", DEFAULT_CACHE)))
 
 
 def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, list[dict]]:
@@ -143,8 +155,8 @@ def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, l
 
     def order(item):
         k = item[0]
-        return (k.dataset, k.mode_rank, k.mode, -1 if k.budget is None else k.budget, k.n, k.policy or "", k.choice,
-                k.setup)
+        return (k.dataset, k.weights, k.kv_cache, k.helper_kv_cache, k.mode_rank, k.mode,
+                -1 if k.budget is None else k.budget, k.n, k.policy or "", k.choice, k.setup)
 
     return dict(sorted(groups.items(), key=order))
 
@@ -189,6 +201,13 @@ class Summary:
     recovered_problems: int | None = None  # the problems kvrescue, bon and full all ran, which `recovered` counts
     base_token_ratio: float | None = None  # kvrescue rows: base tokens / the matching bon row's
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
+
+    @property
+    def budget_kv_bytes(self) -> float | None:
+        """An evicting configuration's base KV bytes per sequence: budget × the bytes of a cell of its cache types
+        (None: no eviction, rows from before cells' bytes were recorded, or several setups pooled)."""
+        cell = ((self.setup or {}).get("kv") or {}).get("base", {}).get("cell_bytes")
+        return None if cell is None or self.key.budget is None else float(self.key.budget * cell)
 
     @property
     def helper_step_share(self) -> float | None:
@@ -256,10 +275,11 @@ def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
     for s in out:
         if s.key.mode != Mode.KVRESCUE:
             continue
-        f = reference(Mode.FULL, s, "n") or min(
-            (r for r in out if r.key.mode == Mode.FULL and r.key.dataset == s.key.dataset and same_setup(r, s)),
+        f = reference(Mode.FULL, s, "n", *BASE_AXES) or min(
+            (r for r in out if r.key.mode == Mode.FULL and r.key.dataset == s.key.dataset and same_setup(r, s)
+             and all(getattr(r.key, a) == getattr(s.key, a) for a in BASE_AXES)),
             key=lambda r: r.key.n, default=None)
-        b = reference(Mode.BON, s, "budget", "n", "policy")
+        b = reference(Mode.BON, s, "budget", "n", "policy", *BASE_AXES)
         if f and b:
             recover(s, groups[s.key], groups[b.key], groups[f.key])
             s.recovered_full_n = f.key.n
@@ -341,7 +361,8 @@ def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
     groups = group_rows(rows, pool_setups)
     out = []
     for bon in (k for k in groups if k.mode == Mode.BON):
-        helper, full = partner(groups, bon, mode=Mode.HELPER), partner(groups, bon, mode=Mode.FULL)
+        helper = partner(groups, bon, mode=Mode.HELPER, helper_kv_cache=bon.kv_cache)
+        full = partner(groups, bon, mode=Mode.FULL, weights=bon.weights, kv_cache=bon.kv_cache)
         if helper is None:
             continue
         b, h, common = paired(groups, bon, helper)
@@ -376,7 +397,8 @@ def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int =
     out = []
     for chosen in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice == "prm"):
         random = partner(groups, chosen, mode=Mode.KVRESCUE, choice="random", budget=chosen.budget,
-                         policy=chosen.policy)
+                         policy=chosen.policy, weights=chosen.weights, kv_cache=chosen.kv_cache,
+                         helper_kv_cache=chosen.helper_kv_cache)
         if random is None:
             continue
         p, r, common = paired(groups, chosen, random)

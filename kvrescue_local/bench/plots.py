@@ -4,6 +4,9 @@
   evicting mode (bon, kvrescue) and N; full and helper, which do not evict, as horizontal lines.
 - `step_sources[-<dataset>].png` (Figure 6): share of committed steps written by the base and by the
   helper, per budget (and N) of the kvrescue rows.
+- `memory_accuracy[-<dataset>].png`: pass@1 against the evicted base's KV bytes per sequence (budget × the
+  bytes of a cell of its KV cache types, as its rows record them), one line per evicting mode and weight type, its
+  points the budgets and KV cache types; full KV of each weight type as a horizontal line.
 - `detector_stats[-<dataset>].png` (Figure 3): histograms of the base candidates' maximum windowed
   mean entropy and minimum compression ratio, killed candidates stacked on top, with the configured
   thresholds as vertical lines.
@@ -67,15 +70,56 @@ def pass1_vs_budget(items: list[Summary], path: Path, title: str = "") -> Path |
         ax.set_xticks(budgets, [str(b) for b in budgets])
         if len(budgets) == 1:
             ax.set_xlim(budgets[0] / 1.5, budgets[0] * 1.5)
-    ax.set_xlabel("base KV budget (entries)")
+    return finish_pass1(fig, ax, path, "base KV budget (entries)", title or "pass@1 vs KV budget", legend_size=8)
+
+
+def finish_pass1(fig, ax, path: Path, xlabel: str, title: str, legend_size: int) -> Path:
+    """Label a pass@1 figure's axes and write it."""
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("pass@1 (%)")
     ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
-    ax.set_title(title or "pass@1 vs KV budget")
-    ax.legend(fontsize=8, loc="best")
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size, loc="best")
     fig.tight_layout()
     write_figure(fig, path, "--plots")
     return path
+
+
+def memory_accuracy(items: list[Summary], path: Path, title: str = "") -> Path | None:
+    Figure = _figure_class()
+    points = [(s, s.budget_kv_bytes) for s in items if s.key.evicts]
+    points = [(s, x) for s, x in points if x is not None]
+    if not points:
+        return None
+    fig = Figure(figsize=(7.5, 4.8), dpi=110)
+    ax = fig.add_subplot()
+    weights = sorted({s.key.weights for s, _ in points} | {s.key.weights for s in items if s.key.mode == Mode.FULL})
+    colours = ["#1f6fb2", "#c0392b", "#2e8b57", "#8e44ad", "#e08a1e", "#333333", "#16a085", "#7f8c8d"]
+    colour = {w: colours[i % len(colours)] for i, w in enumerate(weights)}
+    several_n = len({s.key.n for s, _ in points}) > 1
+    several_caches = len({s.key.kv_cache for s, _ in points}) > 1
+    lines: dict[tuple, list[tuple[Summary, float]]] = {}
+    for s, x in points:
+        lines.setdefault((s.key.mode_label, s.key.weights, s.key.n), []).append((s, x))
+    for (mode, weight, n), group in sorted(lines.items()):
+        group.sort(key=lambda item: (item[1], item[0].key.budget))
+        ax.plot([x / 1024 for _, x in group], [s.pass1 for s, _ in group], color=colour[weight],
+                linestyle="-" if mode == "kvrescue" else "--", marker="o" if mode == "kvrescue" else "s",
+                label=f"{mode} {weight or 'base'}" + (f" N={n}" if several_n else ""))
+        for s, x in group if several_caches else []:  # which KV cache types a point ran with
+            ax.annotate(f"{s.key.kv_cache} b{s.key.budget}", (x / 1024, s.pass1), fontsize=6, alpha=0.7,
+                        textcoords="offset points", xytext=(3, 3))
+    for s in items:
+        if s.key.mode == Mode.FULL and (s.key.weights in colour):
+            ax.axhline(s.pass1, color=colour[s.key.weights], linestyle=":", linewidth=1.2,
+                       label=f"full KV {s.key.weights or 'base'} {s.key.kv_cache}" + (f" N={s.key.n}" if several_n else ""))
+    ax.set_xscale("log", base=2)
+    ticks = sorted({x / 1024 for _, x in points})
+    ax.set_xticks(ticks, [f"{t:,.1f}" for t in ticks], fontsize=7)
+    ax.minorticks_off()
+    return finish_pass1(fig, ax, path, "base KV per sequence (KiB): budget x bytes per cell of its KV cache types",
+                        title or "pass@1 vs KV memory", legend_size=7)
 
 
 def step_sources(items: list[Summary], path: Path, title: str = "") -> Path | None:
@@ -179,6 +223,7 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
         for made in (pass1_vs_budget(items, out_dir / f"pass1_vs_budget{suffix}.png", f"pass@1 vs KV budget{name}"),
                      step_sources(items, out_dir / f"step_sources{suffix}.png",
                                   f"kvrescue: share of committed steps{name}"),
+                     memory_accuracy(items, out_dir / f"memory_accuracy{suffix}.png", f"pass@1 vs KV memory{name}"),
                      detector_stats(subset, out_dir / f"detector_stats{suffix}.png",
                                     f"degeneration detector on base candidates{name}")):
             if made:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from ..errors import KVRescueError
 from ..files import check_input_file
-from .metrics import ConfigKey, Summary, choice_comparisons, config_key, oracles, setup_notes, summaries
+from .metrics import DEFAULT_CACHE, ConfigKey, Summary, choice_comparisons, config_key, oracles, setup_notes, summaries
+from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
 
 MIB = 1024 * 1024
@@ -90,7 +91,7 @@ def load_results(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as exc:
             raise KVRescueError(f"{where} is not JSON ({exc.msg}): fix or remove that line (a crash mid-write leaves "
                                 "a truncated last line)") from None
-        rows.append(check_line(row, where))
+        rows.append(upgrade(check_line(row, where)))
     if not rows:
         raise KVRescueError(f"{path} holds no results: run `kvrescue-local bench` first (or pass another file)")
     return rows
@@ -135,32 +136,45 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def _config_cells(s: Summary, with_dataset: bool, with_setup: bool) -> list[str]:
+def quantized_axes(items: list[Summary]) -> bool:
+    """Whether the rows sweep weights or KV cache types (then the tables show them)."""
+    return any(s.key.weights or s.key.kv_cache != DEFAULT_CACHE or s.key.helper_kv_cache != DEFAULT_CACHE for s in items)
+
+
+def _config_cells(s: Summary, with_dataset: bool, with_setup: bool, with_quantization: bool = False) -> list[str]:
     cells = [s.key.dataset] if with_dataset else []
+    if with_quantization:
+        cells += [s.key.weights or "-", s.key.kv_cache if s.key.uses_base else "-",
+                  s.key.helper_kv_cache if s.key.uses_helper else "-"]
     cells += [s.key.mode_label, "-" if s.key.budget is None else str(s.key.budget), str(s.key.n), s.key.policy or "-"]
+    if with_quantization:
+        cells.append("-" if s.budget_kv_bytes is None else fmt(s.budget_kv_bytes / MIB, 3))
     return cells + ([s.key.setup] if with_setup else [])
 
 
-def _config_headers(with_dataset: bool, with_setup: bool) -> list[str]:
-    return (["dataset"] if with_dataset else []) + ["mode", "budget", "N", "policy"] + (["setup"] if with_setup else [])
+def _config_headers(with_dataset: bool, with_setup: bool, with_quantization: bool = False) -> list[str]:
+    return ((["dataset"] if with_dataset else []) + (["weights", "KV", "helper KV"] if with_quantization else [])
+            + ["mode", "budget", "N", "policy"] + (["KV MiB/seq"] if with_quantization else [])
+            + (["setup"] if with_setup else []))
 
 
 def table2(items: list[Summary]) -> Table:
     with_dataset = len({s.key.dataset for s in items}) > 1
     setups = setup_notes(items)
     with_setup = bool(setups)
-    headers = _config_headers(with_dataset, with_setup) + ["problems", "pass@1 %", "degen %", "cap %", "base tok",
+    quant = quantized_axes(items)
+    headers = _config_headers(with_dataset, with_setup, quant) + ["problems", "pass@1 %", "degen %", "cap %", "base tok",
                                                            "steps", "helper steps %", "early exit %", "helper tok",
                                                            "prob/min", "PRM s", "recovered %"]
     rows = []
     for s in items:
-        rows.append(_config_cells(s, with_dataset, with_setup) + [
+        rows.append(_config_cells(s, with_dataset, with_setup, quant) + [
             str(s.problems), fmt(s.pass1), fmt(s.degeneration), fmt(s.length_capped),
             fmt(s.base_tokens, 0) if s.key.uses_base else "-", fmt(s.steps), fmt(s.helper_step_share),
             fmt(s.early_exit),
             fmt(s.helper_tokens, 0) if s.key.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
             fmt(s.recovered)])
-    align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 12
+    align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * 12
     notes = setups + ["degen %: wrong and >= 256 committed steps (or the step cap, if lower), among all trajectories; "
              "cap %: stopped by the token or step cap; helper steps %: of the committed steps, the helper's; "
              "early exit %: killed / all base candidates; "
@@ -180,16 +194,17 @@ def table1(items: list[Summary]) -> Table:
     with_dataset = len({s.key.dataset for s in items}) > 1
     setups = setup_notes(items)
     with_setup = bool(setups)
-    headers = _config_headers(with_dataset, with_setup) + ["problems", "llama base s", "llama helper s", "PRM s",
+    quant = quantized_axes(items)
+    headers = _config_headers(with_dataset, with_setup, quant) + ["problems", "llama base s", "llama helper s", "PRM s",
                                                            "orch s", "total s", "base tok/s", "helper tok/s"]
     rows = []
     for s in items:
-        rows.append(_config_cells(s, with_dataset, with_setup) + [
+        rows.append(_config_cells(s, with_dataset, with_setup, quant) + [
             str(s.problems), fmt(s.llama_base_s, 3) if s.key.uses_base else "-",
             fmt(s.llama_helper_s, 3) if s.key.uses_helper else "-", fmt(s.prm_s, 3), fmt(s.orchestration_s, 3),
             fmt(s.total_s, 3), fmt(s.base_tok_s, 0) if s.key.uses_base else "-",
             fmt(s.helper_tok_s, 0) if s.key.uses_helper else "-"])
-    align = ["l"] * len(_config_headers(with_dataset, with_setup)) + ["r"] * 8
+    align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * 8
     notes = setups + ["seconds are means per problem; tok/s = tokens generated / seconds inside llama.cpp for that model "
              "(killed candidates' tokens included)."]
     return Table("Table 1: decode cost", headers, rows, align, notes)

@@ -37,7 +37,11 @@ from ..rescue import RescueConfig
 ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
 NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "prompt", "n_gpu_layers", "n_threads", "flash_attn", "n_batch",
-                "helper_ctx", "kv", "detector")
+                "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v", "helper_cache_type_k",
+                "helper_cache_type_v")
+# what a setup records of its axes (the KV cache types and their bytes, the base's weights): part of the row's
+# configuration, so never compared as a setting
+AXIS_RECORDS = ("kv", "weights")
 GGUF_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 GGUF_STRING, GGUF_ARRAY = 8, 9
 
@@ -131,6 +135,19 @@ def parse_row(raw: bytes) -> dict | None:
     return row if isinstance(row, dict) and all(k in row for k in ROW_FIELDS) else None
 
 
+def upgrade(row: dict) -> dict:
+    """A row as this version writes it: rows from before KV cache types were sweep axes recorded one `kv_type` for
+    both sides among their settings, which becomes their axes' cache labels."""
+    config, settings_ = row.get("config"), (row.get("setup") or {}).get("settings") or {}
+    old = settings_.pop("kv_type", None)
+    if isinstance(config, dict):
+        old = config.pop("kv_type", old)
+        if old is not None:
+            config.setdefault("kv_cache", old)
+            config.setdefault("helper_kv_cache", old)
+    return row
+
+
 def read_rows(path: Path) -> list[dict]:
     """Every row of a results file, each checked; a partial last line (a writer died mid-line) is left out."""
     if not path.exists():
@@ -146,7 +163,7 @@ def read_rows(path: Path) -> list[dict]:
                 break
             raise KVRescueError(f"{path}:{number} is not a results line (a results line is a JSON object with "
                                 f"{', '.join(ROW_FIELDS)}): remove that line or write to a new results file")
-        rows.append(row)
+        rows.append(upgrade(row))
     return rows
 
 
@@ -236,10 +253,19 @@ def describe_model(fingerprint: dict) -> str:
     return f"{fingerprint['file']} ({fingerprint['size']:,} bytes, {fingerprint['sha256'][:8]}{head})"
 
 
+def weights_label(setup: dict) -> str:
+    """The base's label on the sweep's base axis ("" : a run's one base, and rows from before that axis)."""
+    return (setup.get("weights") or {}).get("label", "")
+
+
 def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[str]:
-    """What differs between two setups; models are compared for the roles both used."""
+    """What differs between two setups; models are compared for the roles both used (the base only between rows of
+    the same base on the sweep's base axis)."""
     out = []
-    for role in sorted(set(a["models"]) & set(b["models"])):
+    roles = set(a["models"]) & set(b["models"])
+    if weights_label(a) != weights_label(b):
+        roles.discard("base")
+    for role in sorted(roles):
         if a["models"][role] != b["models"][role]:
             out.append(f"{role} model {describe_model(a['models'][role])} vs {describe_model(b['models'][role])}")
     if a["prompt_sha256"] != b["prompt_sha256"]:

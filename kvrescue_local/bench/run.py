@@ -1,4 +1,5 @@
-"""Sweeps: problems × configurations (mode, budget, N, policy), one JSONL line per pair, resumable.
+"""Sweeps: problems × configurations (mode, budget, N, policy, choice, base weights, KV cache types), one JSONL
+line per pair, resumable.
 
 A configuration's problems run `concurrency` at a time on one engine; each line is flushed as soon as
 its problem finishes, so a crash or Ctrl-C loses at most the problems in flight; `resume` skips the
@@ -26,8 +27,21 @@ from ..prm import PRM
 from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
 from ..runtime import Model
 from .datasets import Dataset
-from .metrics import result_line
-from .results_file import check_same_setup, distinct_setups, read_rows, repair_tail, settings, setup, writing
+from .metrics import DEFAULT_CACHE, result_line
+from ..quantize import file_type
+from ..runtime.context import kv_bytes_per_cell
+from .results_file import (check_same_setup, distinct_setups, read_rows, repair_tail, settings, setup, weights_label,
+                           writing)
+
+
+def cache_label(type_k: str, type_v: str) -> str:
+    """A side's KV cache types as the sweep names them: "q8_0" for K and V, "q8_0/f16" when they differ."""
+    return type_k if type_k == type_v else f"{type_k}/{type_v}"
+
+
+def cache_types(label: str) -> tuple[str, str]:
+    type_k, _, type_v = label.partition("/")
+    return type_k, type_v or type_k
 
 
 @dataclass(frozen=True)
@@ -37,23 +51,38 @@ class Axis:
     n: int
     policy: str
     choice: str = "prm"
+    weights: str = ""  # the base model on the sweep's base axis (its weight type, or its file): "" for a run's one base
+    kv_cache: str = DEFAULT_CACHE  # the base's KV cache types (cache_label)
+    helper_kv_cache: str = DEFAULT_CACHE
 
     @property
     def key(self) -> str:
-        return f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}" + ("" if self.choice == "prm" else f"-{self.choice}")
+        key = f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}" + ("" if self.choice == "prm" else f"-{self.choice}")
+        if self.weights:
+            key += f"-w{self.weights}"
+        if (self.kv_cache, self.helper_kv_cache) != (DEFAULT_CACHE, DEFAULT_CACHE):
+            key += f"-kv{self.kv_cache}" + ("" if self.helper_kv_cache == self.kv_cache else f"-hkv{self.helper_kv_cache}")
+        return key
 
 
 def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str],
-               choices: Iterable[str] = ("prm",)) -> list[Axis]:
-    """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once, and
-    the choice matters only where a round has more than one candidate."""
+               choices: Iterable[str] = ("prm",), weights: Iterable[str] = ("",),
+               caches: Iterable[tuple[str, str]] = ((DEFAULT_CACHE, DEFAULT_CACHE),)) -> list[Axis]:
+    """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once, the
+    choice matters only where a round has more than one candidate, the base's weights and cache only where the
+    base runs and the helper's cache only where the helper does (`caches`: (base, helper) cache labels)."""
     axes = []
-    for mode, budget, n, policy, choice in product(map(Mode.parse, modes), budgets, ns, policies, choices):
+    for mode, budget, n, policy, choice, weight, (kv_cache, helper_kv_cache) in product(
+            map(Mode.parse, modes), budgets, ns, policies, choices, weights, caches):
         if not mode.evicts:
             budget, policy = 0, "none"
         if n * mode.sides == 1:
             choice = "prm"
-        axis = Axis(mode, budget, n, policy, choice)
+        if not mode.uses_base:
+            weight, kv_cache = "", helper_kv_cache
+        if not mode.uses_helper:
+            helper_kv_cache = kv_cache
+        axis = Axis(mode, budget, n, policy, choice, weight, kv_cache, helper_kv_cache)
         if axis not in axes:
             axes.append(axis)
     return axes
@@ -61,7 +90,9 @@ def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable
 
 def rescue_config(axis: Axis, template: RescueConfig) -> RescueConfig:
     kv = dataclasses.replace(template.kv, budget=axis.budget, policy=axis.policy) if axis.budget else template.kv
-    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv, choice=axis.choice)
+    (type_k, type_v), (helper_k, helper_v) = cache_types(axis.kv_cache), cache_types(axis.helper_kv_cache)
+    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv, choice=axis.choice, cache_type_k=type_k,
+                               cache_type_v=type_v, helper_cache_type_k=helper_k, helper_cache_type_v=helper_v)
 
 
 def results_config(axis: Axis, config: RescueConfig) -> dict:
@@ -96,13 +127,31 @@ class Models:
                 "prm": self.prm and self.prm.model.path}
 
 
+def axis_setup(axis: Axis, template: RescueConfig, models: Models) -> dict:
+    """A row's setup (results_file.setup) with what its axes made of the models: each side's KV cache types and the
+    real bytes a cell of them takes, and the base's weights (its label on the sweep and the file's weight type)."""
+    config = rescue_config(axis, template)
+    out = setup(config, models.files(), models.prm and models.prm.head_file)
+    sides = {"base": models.base if config.uses_base else None, "helper": models.helper if config.uses_helper else None}
+    out["kv"] = {side: {"type_k": k, "type_v": v, "cell_bytes": kv_bytes_per_cell(model, k, v)}
+                 for side, model in sides.items() if model is not None for k, v in [config.cache_types(side)]}
+    if sides["base"] is not None:
+        out["weights"] = {"label": axis.weights, "type": file_type(models.base.path)}
+    return out
+
+
 def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models: Models,
               results: Path, resume: bool = False, shard: tuple[int, int] = (0, 1), concurrency: int = 1,
               on_result: Callable[[dict], None] | None = None, on_skip: Callable[[int], None] | None = None,
-              on_cut: Callable[[int], None] | None = None) -> int:
+              on_cut: Callable[[int], None] | None = None, bases: dict[str, Model] | None = None) -> int:
     """Run what is not done yet; returns the number of lines written. on_cut hears of a partial last line cut
-    off (bytes) before resuming."""
+    off (bytes) before resuming. `bases`: the base model of each weights label of the axes ("" : models.base)."""
     label, problems = dataset.label, dataset.problems
+    bases = {"": models.base, **(bases or {})}
+
+    def models_of(axis: Axis) -> Models:
+        return dataclasses.replace(models, base=bases[axis.weights])
+
     with writing(results):
         cut = repair_tail(results)
         if cut and on_cut:
@@ -111,11 +160,14 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         if rows and not resume:
             raise KVRescueError(f"{results} already holds {len(rows)} results: pass --resume to continue it or "
                                 "choose a new file")
-        setups = {axis: setup(rescue_config(axis, template), models.files(), models.prm and models.prm.head_file)
-                  for axis in axes}
-        every_model = {role: f for s in setups.values() for role, f in s["models"].items()}
-        check_same_setup({**setups[axes[0]], "models": every_model}, distinct_setups(rows, results), results,
-                         "resume with the same models and options or write to a new results file")
+        setups = {axis: axis_setup(axis, template, models_of(axis)) for axis in axes}
+        # what each base of the sweep runs with: every model its configurations use
+        ours: dict[str, dict] = {}
+        for axis, made in setups.items():
+            ours.setdefault(axis.weights, {**made, "models": {}})["models"].update(made["models"])
+        for theirs in distinct_setups(rows, results):
+            check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results,
+                             "resume with the same models and options or write to a new results file")
         done = done_keys(rows)
         index, count = shard
         tasks = [(axis, p) for axis in axes for p in problems][index::count]
@@ -127,7 +179,7 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         run_id = uuid.uuid4().hex[:12]
         with open_on_first_write(results) as out:
             for axis in dict.fromkeys(axis for axis, _ in todo):  # one configuration's contexts at a time
-                engine = Rescue(rescue_config(axis, template), models.base, models.helper, models.prm,
+                engine = Rescue(rescue_config(axis, template), bases[axis.weights], models.helper, models.prm,
                                 prompt_tokens_max=prompt_tokens, concurrency=concurrency)
                 started = time.perf_counter()
                 # a problem that cannot finish here becomes a row that says why, and the sweep goes on

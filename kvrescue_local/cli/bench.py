@@ -8,15 +8,21 @@ import click
 
 from ..bench.datasets import DATASET_NAMES, load_dataset
 from ..bench.results_file import read_rows
-from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
-from ..compose import open_models, select_models
+from ..bench.run import cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
+from ..compose import open_model, open_models, select_models
+from ..errors import KVRescueError
+from ..hub import resolve_gguf
+from ..quantize import WEIGHT_TYPES
+from ..runtime.context import check_cache_types
+from .models import quantized_with_progress
 from ..files import check_writable
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
                              largest_fitting)
 from .common import DEFAULTS, name_list, note, parse_size, search_options
-from .options import POSITIVE, IntList, PolicySpecs, check_kv_sizes, check_prm_ctx
+from .options import (POSITIVE, CacheTypeList, IntList, Names, PolicySpecs, check_cache_fit, check_kv_sizes,
+                      check_prm_ctx)
 
 DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
 
@@ -40,6 +46,15 @@ def bench() -> None:
 @click.option("--choice", "choices", default=DEFAULTS.choice, show_default=True,
               help=f"comma-separated: how rounds with a choice pick their winner ({', '.join(CHOICES)}: the PRM's "
                    "favourite, or at random, the PRM's baseline); each is a configuration of its own")
+@click.option("--bases", help="comma-separated base models (GGUF paths or owner/repo:FILE.gguf), a sweep axis "
+                               "[default: --base, else the preset's]")
+@click.option("--weight-types", type=Names(WEIGHT_TYPES, "weight type", several=True),
+              help=f"comma-separated weight types ({', '.join(WEIGHT_TYPES)}), a sweep axis: each base at each type, "
+                   "made from it once by `models quantize` into the model cache (a base of that type is used as is)")
+@click.option("--allow-requantize", is_flag=True, help="let --weight-types quantize a base that is quantized already")
+@click.option("--cache-types", type=CacheTypeList(),
+              help="comma-separated KV cache types, a sweep axis: each TYPE (K and V) or K/V, llama.cpp's -ctk/-ctv "
+                   "names, for the base and the helper (-ctkh/-ctvh fix the helper's) [default: -ctk/-ctv]")
 @search_options
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file the results are appended to")
@@ -50,8 +65,8 @@ def bench() -> None:
               help=f"problems solved at once on one engine [default: on a GPU (-ngl > 0) the most that fit --memory, "
                    f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured slower (README, Table 3)]")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
-def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choices, results, resume, shard, offline,
-                concurrency, memory, **options) -> None:
+def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choices, bases, weight_types,
+                allow_requantize, cache_types, results, resume, shard, offline, concurrency, memory, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results", special=False)
@@ -64,26 +79,33 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     selection = select_models(options, needs_base, needs_helper,
                               needs_prm=most_sides * max(ns) > 1 and "prm" in choices, note=note)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
-    axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices)
-    # refuses a bad budget, policy or N before any model is loaded
+    caches = cache_axis(cache_types, template, options)
+    base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}
+    axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, list(base_files) or [""], caches)
+    # refuses a bad budget, policy, N or cache type before any model is loaded
     configs = [rescue_config(axis, template) for axis in axes]
     candidates = max((c.candidates_per_round for c in configs if c.needs_prm), default=1)
     check_prm_ctx(template, options["prm_ctx"])
     template, models = open_models(selection, template, needs_base, needs_helper, candidates,
                                    [p.problem for p in data_set.problems],
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
-    check_prompts_fit(template, [models.base, models.helper],
-                      {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
-    if models.base is not None:
-        check_kv_sizes(configs, models.base, longest_prompt(template, [models.base],
-                                                            [p.problem for p in data_set.problems]), "--budgets")
+    base_models = {label: models.base if path == models.base.path else open_model(selection, template, path)
+                   for label, path in base_files.items()}
+    every_base = list(base_models.values()) or [models.base]
+    problems = [p.problem for p in data_set.problems]
+    for base in every_base:
+        check_prompts_fit(template, [base, models.helper],
+                          {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
+        check_cache_fit(configs, base, models.helper)
+        if base is not None:
+            check_kv_sizes(configs, base, longest_prompt(template, [base], problems), "--budgets")
     allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
-    prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for p in data_set.problems])
+    prompt_tokens = longest_prompt(template, [*every_base, models.helper], problems)
     prm = models.prm
 
     def need(config, slots: int) -> int:
-        return kv_memory(config, slots, models.base, models.helper, prm and prm.model, prm.params.n_ctx if prm else 0,
-                         prompt_tokens)
+        return max(kv_memory(config, slots, base, models.helper, prm and prm.model, prm.params.n_ctx if prm else 0,
+                             prompt_tokens) for base in every_base)
 
     fits = largest_fitting(configs, allowed, need)
     check_concurrency_fits(configs, concurrency or 1, allowed, need)
@@ -111,7 +133,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
 
         try:
             written = run_sweep(data_set, axes, template, models, results, resume, (shard_index, shard_count),
-                                concurrency, on_result=on_result, on_skip=bar.update,
+                                concurrency, on_result=on_result, on_skip=bar.update, bases=base_models,
                                 on_cut=lambda cut: click.echo(f"\ncut a partial last line ({cut} bytes, a crash "
                                                               f"mid-write) from {results}; its problem runs again",
                                                               err=True))
@@ -121,6 +143,39 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                        err=True)
             raise SystemExit(130)
     click.echo(f"{written} new results in {results} ({accuracy() or 'nothing new to run'})")
+
+
+def cache_axis(labels: list[str] | None, template, options: dict) -> list[tuple[str, str]]:
+    """(base, helper) cache labels of the sweep: --cache-types, else -ctk/-ctv; the helper's follow the base's unless
+    -ctkh/-ctvh fix them. A quantized V without flash attention is refused here, before any model loads."""
+    fixed = options.get("cache_type_k_helper") or options.get("cache_type_v_helper")
+    helper = cache_label(*template.cache_types("helper"))
+    out = []
+    for label in labels or [cache_label(*template.cache_types("base"))]:
+        if labels:
+            check_cache_types(*cache_types(label), template.flash_attn, "--cache-types", "--cache-types")
+        out.append((label, helper if fixed else label))
+    return out
+
+
+def base_axis(bases: str | None, weight_types: list[str] | None, allow_requantize: bool, options: dict,
+              selection) -> dict[str, Path]:
+    """The sweep's base models by label: each of --bases (else the one base) at each of --weight-types, quantized
+    into the model cache the first time. Labels: the weight type (one base), the file's stem (several bases, no
+    types), stem:type (both); "" for a run with one base and no types (no base axis)."""
+    if bases and options.get("base"):
+        raise KVRescueError("give --base or --bases, not both")
+    sources = [resolve_gguf(b.strip()) for b in bases.split(",") if b.strip()] if bases else [selection.paths["base"]]
+    if not sources:
+        raise KVRescueError(f"--bases {bases!r} names no model: give comma-separated GGUF paths")
+    files = {}
+    for source in sources:
+        for weight_type in weight_types or [None]:
+            path = Path(source) if weight_type is None else quantized_with_progress(Path(source), weight_type,
+                                                                                    allow_requantize)
+            stem = Path(source).stem if len(sources) > 1 else ""
+            files[":".join(x for x in (stem, weight_type) if x)] = path
+    return files
 
 
 @bench.command("merge")

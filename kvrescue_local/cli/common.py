@@ -10,6 +10,7 @@ import click
 from ..errors import KVRescueError
 from ..files import write_output
 from ..rescue import RescueConfig
+from ..runtime.context import CACHE_TYPES
 from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, THREADS, Finite, PromptTemplate
 
 DEFAULTS = RescueConfig()
@@ -17,6 +18,26 @@ DEFAULTS = RescueConfig()
 
 def preset_default(value) -> str:
     return f"[default: the preset's, else {value}]"
+
+
+# llama.cpp's names: -ctk/-ctv for the model, and for the second model the draft model's -ctkd/-ctvd with h for helper
+CACHE_TYPE_OPTIONS = [
+    click.option("--cache-type-k", "-ctk", type=click.Choice(list(CACHE_TYPES)),
+                 help=f"KV cache type for K, base and helper (llama.cpp's -ctk) {preset_default(DEFAULTS.cache_type_k)}"),
+    click.option("--cache-type-v", "-ctv", type=click.Choice(list(CACHE_TYPES)),
+                 help="KV cache type for V, base and helper (llama.cpp's -ctv; a quantized V needs -fa on) "
+                      f"{preset_default(DEFAULTS.cache_type_v)}"),
+    click.option("--cache-type-k-helper", "-ctkh", type=click.Choice(list(CACHE_TYPES)),
+                 help="the helper's K cache type, as llama.cpp's -ctkd sets its draft model's [default: -ctk's]"),
+    click.option("--cache-type-v-helper", "-ctvh", type=click.Choice(list(CACHE_TYPES)),
+                 help="the helper's V cache type, as llama.cpp's -ctvd sets its draft model's [default: -ctv's]"),
+]
+
+
+def cache_type_options(command):
+    for option in reversed(CACHE_TYPE_OPTIONS):
+        command = option(command)
+    return command
 
 
 # Options left unset (None) take the preset's recipe, else RescueConfig's defaults (kvrescue_local/compose.py)
@@ -42,6 +63,7 @@ SEARCH_OPTIONS = [
                  help=f"llama.cpp threads, at most {MAX_THREADS} (0: KVRESCUE_THREADS, else physical cores - 1: one core "
                       f"stays free for other work) {preset_default(DEFAULTS.n_threads)}"),
     click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), help=preset_default(DEFAULTS.flash_attn)),
+    *CACHE_TYPE_OPTIONS,
     click.option("--max-tokens", type=POSITIVE, help=f"trajectory length cap {preset_default(DEFAULTS.max_tokens)}"),
     click.option("--max-steps", type=POSITIVE, help=preset_default(DEFAULTS.max_steps)),
     click.option("--max-step-tokens", type=POSITIVE, help=preset_default(DEFAULTS.max_step_tokens)),

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import click
+
+from ..files import check_writable
+from ..quantize import WEIGHT_TYPES as WEIGHT_TYPE_NAMES
+from .options import Names
 
 
 @click.group()
@@ -31,6 +37,70 @@ def convert_prm_command(src: Path, out: Path, dtype: str, quantize: str | None) 
     head = RewardHead.load(head_path(gguf))
     click.echo(f"wrote {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB) and {head_path(gguf).name}: "
                f"format {head.format}, hidden size {head.hidden_size}, {time.perf_counter() - started:.1f} s")
+
+
+@models.command("quantize")
+@click.argument("src", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--type", "weight_type", required=True, type=Names(WEIGHT_TYPE_NAMES, "weight type"),
+              help="the weight type (llama-quantize's names)")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              help="the output GGUF [default: in the model cache, named by SRC, its fingerprint and the type]")
+@click.option("--allow-requantize", is_flag=True, help="quantize a source that is already quantized")
+def models_quantize(src: Path, weight_type: str, out: Path | None, allow_requantize: bool) -> None:
+    """Quantize the GGUF model SRC with llama.cpp's quantizer (K-quants need rows of 256 values: a tensor whose
+    rows are not falls back to a type that fits, as llama-quantize does)."""
+    from ..quantize import cached_path, check_source, file_type, quantize
+
+    source_type = check_source(src, weight_type, allow_requantize)
+    if out is None:
+        out = cached_path(src, weight_type)
+        if out.exists():
+            click.echo(f"{out} is already in the cache ({file_type(out)}, {out.stat().st_size / 2**20:.2f} MiB)")
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out", special=False)
+    started = time.perf_counter()
+    with tensor_progress(f"{src.name} {source_type} -> {weight_type}", out) as on_tensor:
+        quantize(src, out, weight_type, allow_requantize, progress=on_tensor)
+    click.echo(f"wrote {describe_quantized(src, out)}, {time.perf_counter() - started:.1f} s")
+
+
+@contextmanager
+def tensor_progress(label: str, out: Path) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar over the tensors llama.cpp's quantizer starts; Ctrl-C is one line saying nothing was written."""
+    with click.progressbar(length=1, label=label, file=sys.stderr) as bar:
+        def on_tensor(done: int, total: int) -> None:
+            bar.length = total
+            bar.update(done - bar.pos)
+
+        try:
+            yield on_tensor
+        except KeyboardInterrupt:
+            click.echo(f"\ninterrupted: nothing written to {out}", err=True)
+            raise SystemExit(130)
+
+
+def describe_quantized(src: Path, out: Path) -> str:
+    """What a quantization made: the file, its type and size, and its tensors' types (K-quants fall back per tensor
+    where rows are not multiples of 256)."""
+    from ..quantize import file_type, tensor_types
+
+    made = ", ".join(f"{name} x{count}" for name, count in sorted(tensor_types(out).items()))
+    return (f"{out} ({file_type(out)}, {src.stat().st_size / 2**20:.2f} -> {out.stat().st_size / 2**20:.2f} MiB; "
+            f"tensors: {made})")
+
+
+def quantized_with_progress(src: Path, weight_type: str, allow_requantize: bool) -> Path:
+    """src at weight_type from the model cache, made there (with a progress bar) the first time."""
+    from ..quantize import cached_path, file_type, quantized
+
+    if cached_path(src, weight_type).exists() or file_type(src) == weight_type:
+        return quantized(src, weight_type, allow_requantize)[0]
+    with tensor_progress(f"{src.name} -> {weight_type}", cached_path(src, weight_type)) as on_tensor:
+        path, made = quantized(src, weight_type, allow_requantize, progress=on_tensor)
+    if made:
+        click.echo(f"made {describe_quantized(src, path)}", err=True)
+    return path
 
 
 @models.command("list")

@@ -16,6 +16,7 @@ from ..errors import KVRescueError
 from ..eviction import policy_specs
 from ..rescue import RescueConfig
 from ..runtime import Model
+from ..runtime.context import CACHE_TYPES, check_cache_blocks
 
 MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
 SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 32-bit seed
@@ -109,6 +110,55 @@ class PolicySpecs(click.ParamType):
         return specs if self.several else specs[0]
 
 
+class Names(click.ParamType):
+    """One name of `allowed` (case as `allowed` spells it, matched in any case), or a comma-separated list of them
+    (several), each named once."""
+
+    def __init__(self, allowed, what: str, several: bool = False, fold_case: bool = True) -> None:
+        self.allowed, self.what, self.several, self.fold_case = list(allowed), what, several, fold_case
+        self.name = what
+
+    def convert(self, value, param, ctx) -> str | list[str]:
+        if isinstance(value, list):
+            return value
+        spelled = {(a.lower() if self.fold_case else a): a for a in self.allowed}
+        items = [x.strip() for x in str(value).split(",") if x.strip()] if self.several else [str(value).strip()]
+        names = []
+        for item in items:
+            name = spelled.get(item.lower() if self.fold_case else item)
+            if name is None:
+                self.fail(f"{item!r} is not a {self.what}: use {', '.join(self.allowed)}", param, ctx)
+            names.append(name)
+        if not names:
+            self.fail(f"{value!r} names no {self.what}: give one or more of {', '.join(self.allowed)}", param, ctx)
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            self.fail(f"{', '.join(repeated)} is given more than once: name each {self.what} once", param, ctx)
+        return names if self.several else names[0]
+
+
+class CacheTypeList(click.ParamType):
+    """Comma-separated KV cache types for the sweep, each `TYPE` (K and V) or `K/V`, each named once."""
+
+    name = "cache types"
+
+    def convert(self, value, param, ctx) -> list[str]:
+        if isinstance(value, list):
+            return value
+        labels = [x.strip() for x in str(value).split(",") if x.strip()]
+        if not labels:
+            self.fail(f"{value!r} names no cache type: give e.g. f16,q8_0,q4_0 (or K/V such as q8_0/f16)", param, ctx)
+        for label in labels:
+            parts = label.split("/")
+            unknown = [p for p in parts if p not in CACHE_TYPES]
+            if len(parts) > 2 or unknown:
+                self.fail(f"{label!r} is not TYPE or K/V of the KV cache types {', '.join(CACHE_TYPES)}", param, ctx)
+        repeated = sorted({x for x in labels if labels.count(x) > 1})
+        if repeated:
+            self.fail(f"{', '.join(repeated)} is given more than once: name each cache type once", param, ctx)
+        return labels
+
+
 class PromptTemplate(click.ParamType):
     """A prompt template: {problem} where the problem goes and no other field ({{ and }} for literal braces)."""
 
@@ -153,3 +203,11 @@ def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_token
             raise KVRescueError(f"--protect-prompt keeps the prompt's {prompt_tokens} tokens, and with the recent "
                                 f"window of {kv.window} they do not fit in {budget_option} {kv.budget}: raise "
                                 f"{budget_option} to at least {needed}, or pass --evict-prompt")
+
+
+def check_cache_fit(configs: list[RescueConfig], base: Model | None, helper: Model | None) -> None:
+    """After the models open, before their contexts are made: each side's cache types must tile its heads."""
+    for config in configs:
+        for side, model, options in (("base", base, ("-ctk", "-ctv")), ("helper", helper, ("-ctk/-ctkh", "-ctv/-ctvh"))):
+            if model is not None and (config.uses_base if side == "base" else config.uses_helper):
+                check_cache_blocks(model, *config.cache_types(side), *options)

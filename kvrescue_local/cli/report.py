@@ -8,7 +8,7 @@ import click
 
 from ..errors import KVRescueError
 from ..files import check_writable
-from .common import parse_size
+from .common import DEFAULTS, cache_type_options, parse_size
 
 
 @click.command("report")
@@ -61,17 +61,20 @@ def report(results: tuple[Path, ...], markdown: bool, plots_dir: Path | None, tr
 @click.option("--helper", default="1.5b", show_default=True, help="helper model: 1.5b (Qwen2.5-Math) or a GGUF path")
 @click.option("--budget", type=int, default=64, show_default=True, help="base KV budget (entries kept)")
 @click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction")
-@click.option("--kv-bytes", type=float, default=2.0, show_default=True,
-              help="bytes per KV element (2 f16, 1.0625 q8_0, 4 f32)")
+@cache_type_options
 @click.option("--contexts", default="1k,2k,4k,8k,16k,32k", show_default=True, help="context lengths (tokens)")
 @click.option("--markdown", is_flag=True, help="a GitHub markdown table")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="also write the figure here")
-def estimate_command(base: str, helper: str, budget: int, buffer: int, kv_bytes: float, contexts: str, markdown: bool,
+def estimate_command(base: str, helper: str, budget: int, buffer: int, cache_type_k: str | None, cache_type_v: str | None,
+                     cache_type_k_helper: str | None, cache_type_v_helper: str | None, contexts: str, markdown: bool,
                      plot_path: Path | None) -> None:
     """KV memory and decode FLOPs per sequence: evicted base + full-KV helper vs full-KV base."""
     from ..bench.estimate import estimate, parse_contexts, resolve_model
 
-    result = estimate(resolve_model(base), resolve_model(helper), budget, buffer, kv_bytes, parse_contexts(contexts))
+    cache = (cache_type_k or DEFAULTS.cache_type_k, cache_type_v or DEFAULTS.cache_type_v)
+    helper_cache = (cache_type_k_helper or cache[0], cache_type_v_helper or cache[1])
+    result = estimate(resolve_model(base), resolve_model(helper), budget, buffer, cache, helper_cache,
+                      parse_contexts(contexts))
     click.echo(result.table(markdown=markdown))
     if plot_path is not None:
         click.echo(f"plot written to {result.plot(plot_path)}")

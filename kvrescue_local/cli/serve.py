@@ -11,6 +11,7 @@ from ..prm import PRMParams
 from ..rescue import MODES, Mode
 from ..rescue.config import CHOICES
 from .common import DEFAULTS, note, preset_default, search_options
+from .options import check_cache_fit
 
 DEFAULT_PROMPT_TOKENS = 1024
 
@@ -45,6 +46,7 @@ def build_served(options: dict):
                                  ["x" * prompt_tokens],
                                  prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
     config.check_concurrency(concurrency)
+    check_cache_fit([config], models.base, models.helper)
     names = {side: m.path.name for side, m in (("base", models.base), ("helper", models.helper)) if m is not None}
     engine = Engine(models, concurrency, prompt_tokens, max_queue, Metrics(names))
     model_id = (selection.preset.name if selection.preset else names.get("base", "kvrescue")) + f"-{mode}"

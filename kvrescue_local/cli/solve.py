@@ -14,7 +14,7 @@ from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
 from ..rescue.config import CHOICES
 from ..rescue.limits import check_problem, check_prompts_fit
 from .common import DEFAULTS, note, preset_default, search_options, write_json
-from .options import POSITIVE, PolicySpecs, check_kv_sizes, check_prm_ctx
+from .options import POSITIVE, PolicySpecs, check_cache_fit, check_kv_sizes, check_prm_ctx
 
 
 def one_line(text: str, width: int = 100) -> str:
@@ -62,6 +62,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
                                  config.candidates_per_round if config.needs_prm else 1,
                                  [text], prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
     check_prompts_fit(config, [models.base, models.helper], {"the problem": text})
+    check_cache_fit([config], models.base, models.helper)
     if models.base is not None:
         check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]), "--budget")
     engine = Rescue(config, models.base, models.helper, models.prm,

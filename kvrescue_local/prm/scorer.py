@@ -56,7 +56,7 @@ class PRM:
     def new_context(self, n_ctx: int) -> Context:
         p = self.params
         return Context(self.model, ContextParams(n_ctx=n_ctx, n_seq_max=self.slots + p.max_candidates,
-                                                 n_batch=p.n_batch, kv_type=p.kv_type, flash_attn=p.flash_attn,
+                                                 n_batch=p.n_batch, type_k=p.kv_type, type_v=p.kv_type, flash_attn=p.flash_attn,
                                                  embeddings=True, n_threads=p.n_threads))
 
     def reserve(self, slots: int) -> None:

@@ -14,12 +14,18 @@ from ..errors import KVRescueError
 from ..eviction import KVBudget
 from ..prm.formats import QWEN_MATH_CHAT
 from ..runtime import DEFAULT_FLASH_ATTN
+from ..runtime.context import check_cache_types
 from .record import Mode
 
 CHOICES = ("prm", "random")  # how a round's winner is chosen among its survivors
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
 QWEN_MATH_COT = QWEN_MATH_CHAT  # the real presets' chat format (Qwen2.5-Math's chain-of-thought prompt)
 PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
+
+
+def cache_fields(type_k: str, type_v: str) -> dict:
+    """The RescueConfig fields that give the base and the helper these K and V cache types (what -ctk/-ctv do)."""
+    return {"cache_type_k": type_k, "cache_type_v": type_v, "helper_cache_type_k": type_k, "helper_cache_type_v": type_v}
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,11 @@ class RescueConfig:
     flash_attn: str = DEFAULT_FLASH_ATTN
     n_threads: int = 0  # llama.cpp threads; 0 = physical cores - 1 (runtime.default_threads)
     n_batch: int = 512
-    kv_type: str = "f16"
+    # KV cache types, llama.cpp's names (runtime.context.CACHE_TYPES): -ctk/-ctv set both sides, -ctkh/-ctvh the helper's
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    helper_cache_type_k: str = "f16"
+    helper_cache_type_v: str = "f16"
     helper_ctx: int = 0  # helper (and full-KV base) context; 0 = exactly what the limits need
     # the round's winner: the PRM's favourite, or "random": a survivor drawn by a seed of (seed, problem, round),
     # the baseline that says what the PRM's choice is worth
@@ -59,6 +69,14 @@ class RescueConfig:
             raise KVRescueError(f"unknown choice {self.choice!r}: use one of {', '.join(CHOICES)}")
         if "{problem}" not in self.prompt:
             raise KVRescueError("the prompt template must contain {problem}")
+        check_cache_types(self.cache_type_k, self.cache_type_v, self.flash_attn, "-ctk", "-ctv")
+        check_cache_types(self.helper_cache_type_k, self.helper_cache_type_v, self.flash_attn, "-ctkh", "-ctvh")
+
+    def cache_types(self, side: str) -> tuple[str, str]:
+        """(K, V) cache types of a side's contexts ("base" or "helper")."""
+        if side == "helper":
+            return self.helper_cache_type_k, self.helper_cache_type_v
+        return self.cache_type_k, self.cache_type_v
 
     @property
     def uses_base(self) -> bool:

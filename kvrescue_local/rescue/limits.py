@@ -56,11 +56,11 @@ def kv_memory(config: RescueConfig, slots: int, base: Model | None, helper: Mode
         if model is None or not used:
             continue
         cells = padded(config.context_cells(side, slots, prompt_tokens))
-        total += cells * kv_bytes_per_cell(model, config.kv_type)
+        total += cells * kv_bytes_per_cell(model, *config.cache_types(side))
         if side == "base" and config.evicts and make_policy(config.kv.policy).reads_attention:
             total += cells * slots * (config.n + 1) * model.n_layer * 4
     if prm is not None and config.candidates_per_round > 1:
-        total += padded(slots * max(0, prm_cells - config.n_batch) + config.n_batch) * kv_bytes_per_cell(prm, "f16")
+        total += padded(slots * max(0, prm_cells - config.n_batch) + config.n_batch) * kv_bytes_per_cell(prm, "f16", "f16")
     return total
 
 

@@ -110,7 +110,7 @@ class Rescue:
         self.concurrency = concurrency
         sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
         common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
-                      flash_attn=config.flash_attn, kv_type=config.kv_type, n_threads=config.n_threads,
+                      flash_attn=config.flash_attn, n_threads=config.n_threads,
                       slots=concurrency, slot_cells=config.full_context(prompt_tokens_max))
         self.sides: dict[str, Generator] = {}
         for side, model in {"base": base if config.uses_base else None,
@@ -118,7 +118,8 @@ class Rescue:
             if model is not None:
                 kv = config.kv if side == "base" and config.evicts else None
                 n_ctx = config.context_cells(side, concurrency, prompt_tokens_max)
-                self.sides[side] = Generator(side, model, config.n, n_ctx, kv, **common)
+                type_k, type_v = config.cache_types(side)
+                self.sides[side] = Generator(side, model, config.n, n_ctx, kv, type_k=type_k, type_v=type_v, **common)
         self.detector = Detector(config.detector) if config.mode.detects else None
         self.prompt_tokens_max = prompt_tokens_max
         self.prm_seconds = 0.0
@@ -278,5 +279,5 @@ class Rescue:
         """The most KV bytes each context held at the end of a round so far (base, helper, PRM)."""
         out = {name: gen.peak_used_cells * gen.ctx.kv_bytes_per_cell for name, gen in self.sides.items()}
         if self.prm:
-            out["prm"] = self.prm.peak_cells * kv_bytes_per_cell(self.prm.model, self.prm.params.kv_type)
+            out["prm"] = self.prm.peak_cells * kv_bytes_per_cell(self.prm.model, self.prm.params.kv_type, self.prm.params.kv_type)
         return out

@@ -139,7 +139,7 @@ def key_rows(ctx: Context, layer: int, cells) -> np.ndarray:
     if n == -3:
         raise KVRescueError(f"layer {layer} has no KV cache in this context: pick a layer that has one")
     if n == -5:
-        raise KVRescueError("this K cache type cannot be converted to F32: use kv_type 'f32', 'f16' or 'q8_0'")
+        raise KVRescueError("this K cache type cannot be converted to F32 by this llama.cpp build: use -ctk f16")
     if n != len(cells):
         raise KVRescueError(f"llama_kvr_k_rows failed with status {n}")
     return out

@@ -36,8 +36,8 @@ def compact(ctx: Context, seq_id: int, layer, head, src, dst) -> None:
         raise KVRescueError("no free KV cells to move a sequence shared with a fork into: raise the context size "
                             "(KVBudget.context_cells counts them)")
     if rc == -6:
-        raise KVRescueError(f"this KV cache type's blocks straddle the heads of {ctx.model.path.name}: use kv_type "
-                            f"'f16' or 'f32', or {SHARED_SET_HINT}")
+        raise KVRescueError(f"this KV cache type's blocks straddle the heads of {ctx.model.path.name}: use -ctk/-ctv "
+                            f"f16, or {SHARED_SET_HINT}")
     if rc != 0:
         raise KVRescueError(f"llama_kvr_compact failed with status {rc} (a layer, head or cell out of range, or a "
                             "cell the sequence does not hold)")

@@ -19,8 +19,29 @@ from .lib import llama, patched
 from .model import Model
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
-KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
-KV_ELEMENT_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}  # q8_0: 32 values in 34 bytes
+
+
+@dataclass(frozen=True)
+class CacheType:
+    """A KV cache type of llama.cpp (its -ctk/-ctv name): the ggml type, and `block` values stored in `block_bytes`."""
+
+    ggml_type: int
+    block: int
+    block_bytes: int
+
+    @property
+    def quantized(self) -> bool:
+        return self.block > 1
+
+    @property
+    def element_bytes(self) -> float:
+        return self.block_bytes / self.block
+
+
+# the cache types llama.cpp's -ctk/-ctv accept (common/arg.cpp kv_cache_types), with ggml's sizes (ggml.c type_traits)
+CACHE_TYPES = {"f32": CacheType(0, 1, 4), "f16": CacheType(1, 1, 2), "bf16": CacheType(30, 1, 2),
+               "q8_0": CacheType(8, 32, 34), "q4_0": CacheType(2, 32, 18), "q4_1": CacheType(3, 32, 20),
+               "iq4_nl": CacheType(20, 32, 18), "q5_0": CacheType(6, 32, 22), "q5_1": CacheType(7, 32, 24)}
 # llama.cpp rounds n_ctx up to a multiple of this (docs/design.md §3)
 N_CTX_PAD = 256
 
@@ -51,10 +72,38 @@ def physical_cores() -> int:
     return len(cores) or 1
 
 
-def kv_bytes_per_cell(model: Model, kv_type: str) -> int:
-    """K and V of one position in every layer: 2 · L · h_kv · d_head · bytes per element."""
-    head_dim = model.n_embd // model.n_head
-    return int(2 * model.n_layer * model.n_head_kv * head_dim * KV_ELEMENT_BYTES[kv_type])
+def kv_bytes_per_cell(model: Model, type_k: str, type_v: str) -> int:
+    """K and V of one position in every layer: L · h_kv · d_head · (bytes per K element + bytes per V element)."""
+    values = model.n_layer * model.n_head_kv * head_dim(model)
+    return int(values * CACHE_TYPES[type_k].element_bytes + values * CACHE_TYPES[type_v].element_bytes)
+
+
+def head_dim(model: Model) -> int:
+    return model.n_embd // model.n_head
+
+
+def check_cache_types(type_k: str, type_v: str, flash_attn: str, option_k: str = "type_k",
+                      option_v: str = "type_v") -> None:
+    """Refuse what llama.cpp refuses, before any model loads: an unknown type, and a quantized V cache with flash
+    attention off (llama.cpp stores V transposed without it, which quantized blocks cannot be)."""
+    for option, name in ((option_k, type_k), (option_v, type_v)):
+        if name not in CACHE_TYPES:
+            raise KVRescueError(f"{option} {name!r} is not a KV cache type: use one of {', '.join(CACHE_TYPES)}")
+    if CACHE_TYPES[type_v].quantized and flash_attn == "off":
+        raise KVRescueError(f"{option_v} {type_v} quantizes the V cache, which llama.cpp allows only with flash "
+                            f"attention: pass -fa on (or {option_v} f16)")
+
+
+def check_cache_blocks(model: Model, type_k: str, type_v: str, option_k: str = "type_k",
+                       option_v: str = "type_v") -> None:
+    """Refuse, before a context is made, a quantized cache whose blocks do not tile a head of this model (llama.cpp
+    refuses it with flash attention on and asserts with it off)."""
+    for option, name in ((option_k, type_k), (option_v, type_v)):
+        block = CACHE_TYPES[name].block
+        if head_dim(model) % block:
+            fits = ", ".join(n for n, t in CACHE_TYPES.items() if head_dim(model) % t.block == 0)
+            raise KVRescueError(f"{option} {name} stores blocks of {block} values, which do not divide the head size "
+                                f"{head_dim(model)} of {model.path.name}: use {fits} for this model")
 
 
 # llama.cpp's CPU flash-attention kernel handles multi-sequence batches poorly (batched decode of 8
@@ -70,7 +119,8 @@ class ContextParams:
     n_batch: int = 512
     kv_unified: bool = True  # every sequence sees all n_ctx cells; forks share cells
     flash_attn: str = DEFAULT_FLASH_ATTN
-    kv_type: str = "f16"  # "f32" for bit-parity tests
+    type_k: str = "f16"  # llama.cpp's cache type names (CACHE_TYPES); "f32" for bit-parity tests
+    type_v: str = "f16"
     embeddings: bool = False  # hidden states after the final norm (PRM backbones)
     n_threads: int = 0  # 0 = default_threads()
 
@@ -113,8 +163,8 @@ class Context:
         low = llama()
         if params.flash_attn not in FLASH_ATTN:
             raise KVRescueError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, not {params.flash_attn!r}")
-        if params.kv_type not in KV_TYPES:
-            raise KVRescueError(f"kv_type must be one of {sorted(KV_TYPES)}, not {params.kv_type!r}")
+        check_cache_types(params.type_k, params.type_v, params.flash_attn)
+        check_cache_blocks(model, params.type_k, params.type_v)
         if params.n_seq_max < 1:
             raise KVRescueError("n_seq_max must be at least 1")
         self.model = model
@@ -126,7 +176,8 @@ class Context:
         cp.n_seq_max = params.n_seq_max
         cp.kv_unified = params.kv_unified
         cp.flash_attn_type = FLASH_ATTN[params.flash_attn]
-        cp.type_k = cp.type_v = KV_TYPES[params.kv_type]
+        cp.type_k = CACHE_TYPES[params.type_k].ggml_type
+        cp.type_v = CACHE_TYPES[params.type_v].ggml_type
         cp.embeddings = params.embeddings
         if params.embeddings:
             cp.pooling_type = low.LLAMA_POOLING_TYPE_NONE
@@ -232,7 +283,7 @@ class Context:
 
     @property
     def kv_bytes_per_cell(self) -> int:
-        return kv_bytes_per_cell(self.model, self.params.kv_type)
+        return kv_bytes_per_cell(self.model, self.params.type_k, self.params.type_v)
 
     def n_cells(self, seq_id: int) -> int:
         """How many cells seq_id can attend to."""
