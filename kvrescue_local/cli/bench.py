@@ -11,6 +11,7 @@ from ..bench.results_file import read_rows
 from ..bench.run import merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 from ..compose import open_models, select_models
 from ..files import check_writable
+from ..prm import PRM
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
@@ -79,11 +80,11 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                                                             [p.problem for p in data_set.problems]), "--budgets")
     allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
     prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for p in data_set.problems])
-    prm = models.prm
+    prm = models.prm if isinstance(models.prm, PRM) else None  # the PRM with a context of its own
 
     def need(config, slots: int) -> int:
         return kv_memory(config, slots, models.base, models.helper, prm and prm.model, prm.params.n_ctx if prm else 0,
-                         prompt_tokens)
+                         prompt_tokens, helper_scores=models.prm is not None and prm is None)
 
     fits = largest_fitting(configs, allowed, need)
     check_concurrency_fits(configs, concurrency or 1, allowed, need)

@@ -143,6 +143,7 @@ class Context:
         self.n_embd = model.n_embd
         self.batch = Batch(params.n_batch)
         self.decode_seconds = 0.0  # wall time inside llama_decode, for cost reports
+        self.decoded_tokens = 0  # tokens llama_decode was given, for cost reports and tests
         self.sample_seconds = 0.0  # wall time in llama.cpp's samplers (see Sampler.sample)
         self.memory_seconds = 0.0  # wall time in llama.cpp's memory and the patch's calls (see `call`)
         self._decode = low.llama_decode
@@ -247,6 +248,7 @@ class Context:
             raise KVRescueError(f"a batch of {n} tokens exceeds n_batch={self.batch.capacity}")
         self.batch.fill(tokens, positions, seq_ids, outputs)
         self.n_outputs = int(np.count_nonzero(outputs))
+        self.decoded_tokens += n
         started = time.perf_counter()
         status = self._decode(self.handle, self.batch.struct)
         self.decode_seconds += time.perf_counter() - started
