@@ -82,17 +82,8 @@ class HelperJudge:
             self.gen.peak_used_cells = max(self.gen.peak_used_cells, held + max(len(p) for p in pieces))
         rows = []
         for tokens in pieces:
-            ctx.check_vocab(tokens)
             ctx.fork(committed, self.seq)
-            start = ctx.pos_max(committed) + 1
-            step = ctx.batch.capacity
-            for offset in range(0, len(tokens), step):
-                chunk = tokens[offset:offset + step]
-                outputs = np.zeros(len(chunk), np.int8)
-                outputs[-1] = offset + step >= len(tokens)
-                ctx.decode(chunk, np.arange(start + offset, start + offset + len(chunk), dtype=np.int32),
-                           np.full(len(chunk), self.seq, np.int32), outputs)
-            rows.append(ctx.embedding(len(chunk) - 1))
+            rows.append(ctx.embedding(ctx.prefill(self.seq, tokens)))
             ctx.drop(self.seq)
             self.decoded_tokens += len(tokens)
         self.llama_seconds += ctx.llama_seconds - before
