@@ -10,10 +10,10 @@ prefix, as that PRM scores a round) and each alone (a decode of its own); and th
 loop's, on the machine that ran it) beside those scored together.
 
 --prm helper (`--prm helper`, rescue/judge.py): the judge on the helper's context scores each survivor alone,
-as the loop does, in two layouts of everything else: clean (only this problem in the context, its committed steps
-decoded in one go) and crowded (another problem's prompt in the cells before it, the committed steps decoded one
-step per flush as the loop commits them, and the round's survivors held in the problem's candidate sequences as
-the helper holds its candidates while scoring). Beside them, on the same file, format and head in a PRM context
+as the loop does, in two layouts of everything else: clean (only this problem in the context, each committed step
+decoded in batches) and crowded (another problem's prompt in the cells before it, the committed steps decoded one
+token a decode, as a sampled step is written, and the round's survivors held in the problem's candidate sequences
+as the helper holds its candidates while scoring). Beside them, on the same file, format and head in a PRM context
 of its own: each survivor alone (the judge's layout, decoded by other code), and the baseline, the survivors
 grouped in one decode against each alone. The head is --head, else the preset's helper head, else its
 PRM head (its weights on states read as held: a layout test, not a quality one).
@@ -125,27 +125,30 @@ def helper_judge(args, preset) -> None:
     prm = PRM(preset.helper, PRMParams(n_ctx=4096, max_candidates=16, n_batch=config.n_batch,
                                        flash_attn=config.flash_attn, kv_type=config.kv_type),
               head=head_file if as_held else None, features_only=None if as_held else fmt.name)
-    tally, seen = Tally(), 0
+    tally, seen, problem_now, held = Tally(), 0, None, 0
     for problem, committed, survivors, _ in rounds(args.results, args.config):
         if seen == args.rounds:
             break
         seen += 1
-        clean.gen.start(0, helper.tokenize(config.prompt.format(problem=problem)))
-        for text in committed:
-            clean.gen.feed(0, helper.tokenize(text, special=False))
+        if problem != problem_now or len(committed) < held:  # the rounds of one row extend one trajectory
+            problem_now, held = problem, 0
+            clean.gen.start(0, helper.tokenize(config.prompt.format(problem=problem)))
+            crowded.gen.start(0, helper.tokenize(config.prompt.format(problem=OTHER_PROBLEM)))
+            crowded.gen.start(1, helper.tokenize(config.prompt.format(problem=problem)))
+            crowded.gen.flush()
+            prm.start(problem)
+        crowded.gen.drop_candidates(1)
+        for text in committed[held:]:
+            tokens = helper.tokenize(text, special=False)
+            clean.gen.feed(0, tokens)
+            for token in tokens:  # one token a decode, as a sampled step is written
+                crowded.gen.ctx.step([crowded.gen.committed(1)], [token])
+            prm.commit(text)
+        held = len(committed)
         clean.gen.flush()
         alone = clean.score_many({0: survivors})[0]
-        crowded.gen.start(0, helper.tokenize(config.prompt.format(problem=OTHER_PROBLEM)))
-        crowded.gen.start(1, helper.tokenize(config.prompt.format(problem=problem)))
-        crowded.gen.flush()
-        for text in committed:
-            crowded.gen.commit_foreign(1, helper.tokenize(text, special=False))
-            crowded.gen.flush()
         hold(crowded.gen, 1, survivors)
         tally.add("judge: crowded vs clean", crowded.score_many({1: survivors})[1], alone)
-        prm.start(problem)
-        for text in committed:
-            prm.commit(text)
         prm_alone = head.rewards(np.concatenate([prm.candidate_hidden([text]) for text in survivors]))
         tally.add("judge (clean) vs a PRM context, alone", alone, prm_alone)
         tally.add("baseline, a PRM context: grouped vs alone", head.rewards(prm.candidate_hidden(survivors)), prm_alone)
