@@ -144,9 +144,8 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
                             "--prm helper:HEAD.npz")
     head = paths["prm_head"] or (paths["prm"] and head_path(paths["prm"]))
     if max_candidates > 1 and not in_helper and not Path(head).exists():
-        raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset "
-                            f"{selection.preset.name if selection.preset else 'NAME'}` trains one (or pass --prm with a "
-                            "converted PRM)")
+        raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset {name}` "
+                            "trains one (or pass --prm with a converted PRM)")
     # over RPC every layer goes to the servers unless -ngl says how many
     layers = config.n_gpu_layers or (ALL_LAYERS if selection.rpc else 0)
     base = Model(paths["base"], n_gpu_layers=layers, rpc=selection.rpc) if needs_base else None

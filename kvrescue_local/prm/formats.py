@@ -27,14 +27,14 @@ class PRMFormat:
     prompt: str  # str.format template with {problem} and {bos}
     step_end: str  # appended to each (stripped) step; the reward is read at its last token
     output: str  # "softmax1": probability of class 1 of a 2-way head; "sigmoid": sigmoid of a 1-way head
-    as_held: bool = False  # steps as the helper holds them (step_end then is empty)
+    as_held: bool = False  # steps as the helper holds them: step_tokens reads the text as it is (step_end unused)
 
     def header(self, problem: str, bos: str, prompt: str | None = None) -> str:
         """The text before the first step: the format's prompt, or `prompt` (a head's own, RewardHead.prompt)."""
         return (prompt or self.prompt).format(problem=problem, bos=bos)
 
     def step_text(self, step: str) -> str:
-        return step if self.as_held else step.strip() + self.step_end
+        return step.strip() + self.step_end
 
     def step_tokens(self, model, step: str) -> np.ndarray:
         """The tokens a step is read in. As held: the text tokenized as plain text (as the loop queues a step for
