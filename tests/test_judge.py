@@ -91,6 +91,8 @@ def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file)
     assert engine.scorer.decoded_tokens == scored
     assert ctx.decoded_tokens == prompt + sampled + committed + scored
     assert engine.prm is None and set(engine.peak_kv_bytes()) == {"base", "helper"}, "no context of a PRM's own"
+    with pytest.raises(KVRescueError, match="one to score in; use --concurrency 1 to 127"):
+        Rescue(config(n=1, **EXACT), base_model, helper_model, judge, concurrency=128)
 
 
 def winner(step):

@@ -26,7 +26,7 @@ from ..errors import KVRescueError
 from ..prm import PRM
 from ..runtime import Model, SamplingParams
 from ..runtime.context import kv_bytes_per_cell
-from .config import RescueConfig
+from .config import LLAMA_MAX_SEQ, RescueConfig
 from .generator import Draft, Generator, Request
 from .judge import HelperHead, HelperJudge
 from .record import Step, Trajectory
@@ -49,8 +49,14 @@ def check_compatible(base: Model, helper: Model) -> bool:
         base.token_bytes(t) == helper.token_bytes(t) for t in range(base.n_vocab))
 
 
-def check_helper_judge(config: RescueConfig, judge: HelperHead) -> None:
-    """The head reads the helper's context: the mode must have a helper, prompting it as in training."""
+def check_helper_judge(config: RescueConfig, judge: HelperHead, concurrency: int) -> None:
+    """The head reads the helper's context: the mode must have a helper, prompting it as in training, with one
+    llama.cpp sequence to spare for the candidate it scores."""
+    most = (LLAMA_MAX_SEQ - 1) // (config.n + 1)
+    if concurrency > most:
+        raise KVRescueError(f"concurrency {concurrency} does not fit with --prm helper: the helper's context holds "
+                            f"{config.n + 1} of llama.cpp's {LLAMA_MAX_SEQ} sequences per problem and one to score in; "
+                            f"use --concurrency 1 to {most}")
     if not config.uses_helper:
         raise KVRescueError(f"--prm helper scores in the helper's context, and mode {config.mode} has no helper: use "
                             "mode kvrescue or helper, or pass --prm with a PRM model of its own")
@@ -120,7 +126,7 @@ class Rescue:
         judge = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
         in_helper = isinstance(judge, HelperHead)
         if in_helper:
-            check_helper_judge(config, judge)
+            check_helper_judge(config, judge, concurrency)
         self.prm = None if in_helper else judge  # the PRM with a context of its own
         if self.prm:
             self.prm.reserve(concurrency)
