@@ -84,8 +84,8 @@ class Generator:
                  max_step_tokens: int, n_batch: int = 512, flash_attn: str = DEFAULT_FLASH_ATTN,
                  kv_type: str = "f16", n_threads: int = 0, slots: int = 1, slot_cells: int | None = None,
                  scores: bool = False) -> None:
-        """scores: the context also scores candidate steps (`--prm helper`, judge.py): its output rows keep their
-        hidden states too, and one sequence after the slots' is left free to score in."""
+        """scores: the context also scores candidate steps (`--prm helper`, judge.py): one sequence after the slots'
+        is left free to score in."""
         self.side = side
         self.model = model
         self.n = n
@@ -94,8 +94,7 @@ class Generator:
         self.sampling = sampling
         self.max_step_tokens = max_step_tokens
         self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=slots * self.stride + scores, n_batch=n_batch,
-                                                flash_attn=flash_attn, kv_type=kv_type, n_threads=n_threads,
-                                                embeddings=scores))
+                                                flash_attn=flash_attn, kv_type=kv_type, n_threads=n_threads))
         self.slot_cells = slot_cells or self.ctx.n_ctx
         self.budget = BudgetedSequences(self.ctx, kv) if kv else None
         if kv:

@@ -55,7 +55,7 @@ class HelperJudge:
     def __init__(self, gen: Generator, fmt: PRMFormat, head: RewardHead | None = None, prompt: str | None = None) -> None:
         """head None: hidden states only (training one). prompt: the template `trajectory_hidden` starts a problem
         with (default: the head's, else the format's; the loop prompts the helper itself)."""
-        if gen.ctx.n_seq_max <= gen.slots * gen.stride or not gen.ctx.params.embeddings:
+        if gen.ctx.n_seq_max <= gen.slots * gen.stride:
             raise KVRescueError("the helper's context was made without room to score: create its Generator with "
                                 "scores=True")
         if not fmt.as_held:
@@ -81,11 +81,12 @@ class HelperJudge:
             held = ctx.used_cells(range(self.seq))
             self.gen.peak_used_cells = max(self.gen.peak_used_cells, held + max(len(p) for p in pieces))
         rows = []
-        for tokens in pieces:
-            ctx.fork(committed, self.seq)
-            rows.append(ctx.embedding(ctx.prefill(self.seq, tokens)))
-            ctx.drop(self.seq)
-            self.decoded_tokens += len(tokens)
+        with ctx.hidden_states():
+            for tokens in pieces:
+                ctx.fork(committed, self.seq)
+                rows.append(ctx.embedding(ctx.prefill(self.seq, tokens)))
+                ctx.drop(self.seq)
+                self.decoded_tokens += len(tokens)
         self.llama_seconds += ctx.llama_seconds - before
         return np.array(rows, np.float32).reshape(len(rows), ctx.n_embd)
 

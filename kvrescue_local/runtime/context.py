@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,6 +242,16 @@ class Context:
         return self.call(patched().llama_kvr_seq_cells, self.memory, seq_id, None, None, 0)
 
     # --- decoding --------------------------------------------------------
+    @contextmanager
+    def hidden_states(self):
+        """Decodes inside give hidden states (`embedding`) as well as logits, in a context made without
+        embeddings=True. llama.cpp then outputs every token of a batch, so its other decodes stay without."""
+        self.call(llama().llama_set_embeddings, self.handle, True)
+        try:
+            yield
+        finally:
+            self.call(llama().llama_set_embeddings, self.handle, self.params.embeddings)
+
     def decode(self, tokens, positions, seq_ids, outputs) -> None:
         """One llama_decode of at most n_batch tokens; rows flagged in outputs get logits (or embeddings)."""
         n = len(tokens)
