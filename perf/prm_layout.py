@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,8 @@ def helper_judge(args, preset) -> None:
         prm_alone = head.rewards(np.concatenate([prm.candidate_hidden([text]) for text in survivors]))
         tally.add("judge (clean) vs a PRM context, alone", alone, prm_alone)
         tally.add("baseline, a PRM context: grouped vs alone", head.rewards(prm.candidate_hidden(survivors)), prm_alone)
+        if seen % 10 == 0:  # a long replay says where it is
+            print(f"{seen} rounds: favourites differ {tally.flips}", file=sys.stderr, flush=True)
     print(f"{seen} rounds of {args.config} with 2 or more survivors, --prm helper with {head_file.name} "
           f"(format {head.format})")
     tally.show(seen)
