@@ -130,6 +130,11 @@ def test_two_models_load_and_a_head_of_another_file_or_format_is_refused(base_pa
     assert result.exit_code != 0 and "prompted otherwise" in result.output
     result = CliRunner().invoke(main, [*common, "--prm", f"helper:{head_file}"])
     assert result.exit_code == 0, result.output
+    results = tmp_path / "r.jsonl"
+    swept = CliRunner().invoke(main, ["bench", "run", "--dataset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns",
+                                      "2", "--base", str(base_path), "--helper", str(helper_path), "--prm",
+                                      f"helper:{head_file}", "--max-tokens", "40", "--results", str(results)])
+    assert swept.exit_code == 0 and "2 new results" in swept.output, swept.output
 
 
 def test_a_judge_needs_a_context_made_to_score_and_a_head_read_as_held(helper_model):
