@@ -3,7 +3,8 @@
 
 Replays the rounds of KV-Rescue rows in a results file (each round's distinct survivors, on the committed steps
 before it) and prints, for each pair of layouts, the mean and largest score differences and the share of rounds
-whose favourite differs.
+whose favourite differs; and, for a pick made by margin m (the first survivor, in the round's order, whose score
+is within m of the best), the share of rounds whose pick differs.
 
 --prm preset (the preset's separate PRM): the survivors scored together (one group forked from the committed
 prefix, as that PRM scores a round) and each alone (a decode of its own); and the scores recorded in the row (the
@@ -55,20 +56,33 @@ def rounds(path: str, config_key: str):
                 yield row["trajectory"]["problem"], [s["text"] for s in steps[:i]], list(recorded), list(recorded.values())
 
 
+MARGINS = (0.0, 0.005, 0.01, 0.02)  # a pick by margin m: the first survivor within m of the best (0: the best)
+
+
+def pick(scores, margin: float) -> int:
+    scores = np.asarray(scores)
+    return int(np.flatnonzero(scores >= scores.max() - margin)[0])
+
+
 class Tally:
     def __init__(self) -> None:
         self.diffs: dict[str, list[float]] = {}
-        self.flips: dict[str, int] = {}
+        self.flips: dict[str, dict[float, int]] = {}
 
     def add(self, name: str, a, b) -> None:
         a, b = np.asarray(a), np.asarray(b)
         self.diffs.setdefault(name, []).extend(np.abs(a - b).tolist())
-        self.flips[name] = self.flips.get(name, 0) + int(np.argmax(a) != np.argmax(b))
+        flips = self.flips.setdefault(name, dict.fromkeys(MARGINS, 0))
+        for margin in MARGINS:
+            flips[margin] += int(pick(a, margin) != pick(b, margin))
 
     def show(self, seen: int) -> None:
         for name, values in self.diffs.items():
+            flips = self.flips[name]
             print(f"  {name:42s}: |score difference| mean {np.mean(values):.5f}, max {np.max(values):.5f}; "
-                  f"favourite differs in {self.flips[name]} of {seen} rounds ({100 * self.flips[name] / seen:.1f}%)")
+                  f"favourite differs in {flips[0.0]} of {seen} rounds ({100 * flips[0.0] / seen:.1f}%)")
+            print(f"  {'':42s}  the first survivor within m of the best differs: " +
+                  ", ".join(f"m={m:g} {flips[m]} ({100 * flips[m] / seen:.1f}%)" for m in MARGINS[1:]))
 
 
 def separate_prm(args, preset) -> None:
@@ -154,7 +168,7 @@ def helper_judge(args, preset) -> None:
         tally.add("judge (clean) vs a PRM context, alone", alone, prm_alone)
         tally.add("baseline, a PRM context: grouped vs alone", head.rewards(prm.candidate_hidden(survivors)), prm_alone)
         if seen % 10 == 0:  # a long replay says where it is
-            print(f"{seen} rounds: favourites differ {tally.flips}", file=sys.stderr, flush=True)
+            print(f"{seen} rounds: picks differ (by margin) {tally.flips}", file=sys.stderr, flush=True)
     print(f"{seen} rounds of {args.config} with 2 or more survivors, --prm helper with {head_file.name} "
           f"(format {head.format})")
     tally.show(seen)
