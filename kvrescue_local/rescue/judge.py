@@ -9,7 +9,9 @@ decoded again.
 
 Alone, a candidate's hidden state does not depend on which candidates share a decode: grouped (as the
 separate PRM decodes a round's candidates) that layout noise is as large as the head's margins between
-similar steps and flipped about one N = 4 pick in six (perf/prm_layout.py). It is also the state training
+similar steps and flipped about one N = 4 pick in six (perf/prm_layout.py). The committed prefix still
+carries the layout it was written in, which on the coder pair moves the pick as often (docs/prm.md). It is
+also the state training
 reads: prmtrain/features.py scores every labelled step through `candidate_hidden` on the committed prefix
 of its round, so training and serving read the same states by the same code.
 
