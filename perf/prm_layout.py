@@ -1,23 +1,45 @@
 #!/usr/bin/env python3
 """How much the batch's layout moves the PRM's scores, and how often it changes the round's pick.
 
-Replays the rounds of KV-Rescue rows in a results file through the preset's PRM: each round's survivors are
-scored together, as the loop scores them (one group, forked from the committed prefix), and each alone (a
-decode of its own), and the scores recorded in the row (the loop's, on the machine that ran it) are read
-beside them. Prints the mean and largest score differences and the share of rounds whose favourite differs.
+Replays the rounds of KV-Rescue rows in a results file (each round's distinct survivors, on the committed steps
+before it) and prints, for each pair of layouts, the mean and largest score differences and the share of rounds
+whose favourite differs; and, for a pick made by margin m (the first survivor, in the round's order, whose score
+is within m of the best), the share of rounds whose pick differs.
 
-Usage: python3 perf/prm_layout.py RESULTS.jsonl [--preset coder] [--config kvrescue-b64-n4-rkv] [--rounds 60]
+--prm preset (the preset's separate PRM): the survivors scored together (one group forked from the committed
+prefix, as that PRM scores a round) and each alone (a decode of its own); and the scores recorded in the row (the
+loop's, on the machine that ran it) beside those scored together.
+
+--prm helper (`--prm helper`, rescue/judge.py): the judge on the helper's context scores each survivor alone,
+as the loop does, in two layouts of everything else: clean (only this problem in the context, each committed step
+decoded in batches) and crowded (another problem's prompt in the cells before it, the committed steps decoded one
+token a decode, as a sampled step is written, and the round's survivors held in the problem's candidate sequences
+as the helper holds its candidates while scoring). Beside them, on the same file, format and head in a PRM context
+of its own: each survivor alone (the judge's layout, decoded by other code), and the baseline, the survivors
+grouped in one decode against each alone. The head is --head, else the preset's helper head, else its
+PRM head (its weights on states read as held: a layout test, not a quality one).
+
+Usage: python3 perf/prm_layout.py RESULTS.jsonl [--preset coder] [--prm preset|helper] [--head FILE]
+                                   [--config kvrescue-b64-n4-rkv:heads=shared] [--rounds 60]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 
+from kvrescue_local.compose import preset_config
 from kvrescue_local.presets import load_preset
-from kvrescue_local.prm import PRM, PRMParams
+from kvrescue_local.prm import PRM, PRMParams, RewardHead, prm_format
+from kvrescue_local.rescue import Generator
+from kvrescue_local.rescue.judge import HelperJudge
+from kvrescue_local.runtime import Model, SamplingParams
+
+OTHER_PROBLEM = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 
 
 def rounds(path: str, config_key: str):
@@ -34,18 +56,38 @@ def rounds(path: str, config_key: str):
                 yield row["trajectory"]["problem"], [s["text"] for s in steps[:i]], list(recorded), list(recorded.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results")
-    parser.add_argument("--preset", default="coder")
-    parser.add_argument("--config", default="kvrescue-b64-n4-rkv", help="the rows' config_key")
-    parser.add_argument("--rounds", type=int, default=60)
-    args = parser.parse_args()
-    preset = load_preset(args.preset)
-    prm = PRM(preset.prm, PRMParams(n_ctx=4096, max_candidates=16), head=preset.prm_head)
-    diffs = {"together vs alone": [], "recorded vs together": []}
-    flips = {"together vs alone": 0, "recorded vs together": 0}
-    seen = 0
+MARGINS = (0.0, 0.005, 0.01, 0.02)  # a pick by margin m: the first survivor within m of the best (0: the best)
+
+
+def pick(scores, margin: float) -> int:
+    scores = np.asarray(scores)
+    return int(np.flatnonzero(scores >= scores.max() - margin)[0])
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.diffs: dict[str, list[float]] = {}
+        self.flips: dict[str, dict[float, int]] = {}
+
+    def add(self, name: str, a, b) -> None:
+        a, b = np.asarray(a), np.asarray(b)
+        self.diffs.setdefault(name, []).extend(np.abs(a - b).tolist())
+        flips = self.flips.setdefault(name, dict.fromkeys(MARGINS, 0))
+        for margin in MARGINS:
+            flips[margin] += int(pick(a, margin) != pick(b, margin))
+
+    def show(self, seen: int) -> None:
+        for name, values in self.diffs.items():
+            flips = self.flips[name]
+            print(f"  {name:42s}: |score difference| mean {np.mean(values):.5f}, max {np.max(values):.5f}; "
+                  f"favourite differs in {flips[0.0]} of {seen} rounds ({100 * flips[0.0] / seen:.1f}%)")
+            print(f"  {'':42s}  the first survivor within m of the best differs: " +
+                  ", ".join(f"m={m:g} {flips[m]} ({100 * flips[m] / seen:.1f}%)" for m in MARGINS[1:]))
+
+
+def separate_prm(args, preset) -> None:
+    prm = PRM(preset.prm, PRMParams(n_ctx=4096, max_candidates=16), head=args.head or preset.prm_head)
+    tally, seen = Tally(), 0
     for problem, committed, survivors, recorded in rounds(args.results, args.config):
         if seen == args.rounds:
             break
@@ -54,15 +96,95 @@ def main() -> None:
         for text in committed:
             prm.commit(text)
         together = prm.score(survivors)
-        alone = np.array([prm.score([text])[0] for text in survivors])
-        for name, (a, b) in {"together vs alone": (together, alone),
-                             "recorded vs together": (np.array(recorded), together)}.items():
-            diffs[name] += np.abs(a - b).tolist()
-            flips[name] += int(np.argmax(a) != np.argmax(b))
-    print(f"{seen} rounds of {args.config} with 2 or more survivors ({sum(map(len, diffs.values())) // 2} scores)")
-    for name, values in diffs.items():
-        print(f"  {name:22s}: |score difference| mean {np.mean(values):.4f}, max {np.max(values):.4f}; "
-              f"favourite differs in {flips[name]} of {seen} rounds ({100 * flips[name] / seen:.0f}%)")
+        tally.add("together vs alone", together, [prm.score([text])[0] for text in survivors])
+        tally.add("recorded vs together", recorded, together)
+    print(f"{seen} rounds of {args.config} with 2 or more survivors, the preset's PRM")
+    tally.show(seen)
+
+
+def hold(gen: Generator, slot: int, texts: list[str]) -> None:
+    """The slot's candidate sequences hold `texts`, decoded together from its committed sequence (as the helper
+    holds its own candidates while the round is scored)."""
+    ctx, committed = gen.ctx, gen.committed(slot)
+    tokens, seqs, positions = [], [], []
+    for seq, text in zip(gen.sequences(slot)[1:], texts):
+        ctx.fork(committed, seq)
+        piece = gen.model.tokenize(text, special=False)
+        tokens += piece.tolist()
+        seqs += [seq] * len(piece)
+        positions += range(ctx.pos_max(committed) + 1, ctx.pos_max(committed) + 1 + len(piece))
+    for at in range(0, len(tokens), ctx.batch.capacity):
+        part = slice(at, at + ctx.batch.capacity)
+        ctx.decode(np.array(tokens[part], np.int32), np.array(positions[part], np.int32), np.array(seqs[part], np.int32),
+                   np.zeros(len(tokens[part]), np.int8))
+
+
+def helper_judge(args, preset) -> None:
+    config = preset_config(preset)
+    shipped = preset.helper_head if preset.helper_head and preset.helper_head.exists() else preset.prm_head
+    head_file = Path(args.head) if args.head else shipped
+    head = RewardHead.load(head_file)
+    fmt = prm_format("helper-value")
+    helper = Model(preset.helper)
+    n = max(len(s) for _, _, s, _ in rounds(args.results, args.config))
+
+    def judge(slots: int) -> HelperJudge:
+        gen = Generator("helper", helper, n, 4096 * slots, None, SamplingParams(), config.max_step_tokens,
+                        n_batch=config.n_batch, flash_attn=config.flash_attn, kv_type=config.kv_type, slots=slots,
+                        scores=True)
+        return HelperJudge(gen, fmt, head, prompt=config.prompt)
+
+    clean, crowded = judge(1), judge(2)
+    # the same states in a PRM context of its own: the head's format and prompt where it is a head for the helper
+    as_held = prm_format(head.format).as_held
+    prm = PRM(preset.helper, PRMParams(n_ctx=4096, max_candidates=16, n_batch=config.n_batch,
+                                       flash_attn=config.flash_attn, kv_type=config.kv_type),
+              head=head_file if as_held else None, features_only=None if as_held else fmt.name)
+    tally, seen, problem_now, held = Tally(), 0, None, 0
+    for problem, committed, survivors, _ in rounds(args.results, args.config):
+        if seen == args.rounds:
+            break
+        seen += 1
+        if problem != problem_now or len(committed) < held:  # the rounds of one row extend one trajectory
+            problem_now, held = problem, 0
+            clean.gen.start(0, helper.tokenize(config.prompt.format(problem=problem)))
+            crowded.gen.start(0, helper.tokenize(config.prompt.format(problem=OTHER_PROBLEM)))
+            crowded.gen.start(1, helper.tokenize(config.prompt.format(problem=problem)))
+            crowded.gen.flush()
+            prm.start(problem)
+        crowded.gen.drop_candidates(1)
+        for text in committed[held:]:
+            tokens = helper.tokenize(text, special=False)
+            clean.gen.feed(0, tokens)
+            for token in tokens:  # one token a decode, as a sampled step is written
+                crowded.gen.ctx.step([crowded.gen.committed(1)], [token])
+            prm.commit(text)
+        held = len(committed)
+        clean.gen.flush()
+        alone = clean.score_many({0: survivors})[0]
+        hold(crowded.gen, 1, survivors)
+        tally.add("judge: crowded vs clean", crowded.score_many({1: survivors})[1], alone)
+        prm_alone = head.rewards(np.concatenate([prm.candidate_hidden([text]) for text in survivors]))
+        tally.add("judge (clean) vs a PRM context, alone", alone, prm_alone)
+        tally.add("baseline, a PRM context: grouped vs alone", head.rewards(prm.candidate_hidden(survivors)), prm_alone)
+        if seen % 10 == 0:  # a long replay says where it is
+            print(f"{seen} rounds: picks differ (by margin) {tally.flips}", file=sys.stderr, flush=True)
+    print(f"{seen} rounds of {args.config} with 2 or more survivors, --prm helper with {head_file.name} "
+          f"(format {head.format})")
+    tally.show(seen)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results")
+    parser.add_argument("--preset", default="coder")
+    parser.add_argument("--prm", choices=["preset", "helper"], default="preset")
+    parser.add_argument("--head", help="a head file [default: the preset's]")
+    parser.add_argument("--config", default="kvrescue-b64-n4-rkv:heads=shared", help="the rows' config_key")
+    parser.add_argument("--rounds", type=int, default=60)
+    args = parser.parse_args()
+    preset = load_preset(args.preset)
+    (helper_judge if args.prm == "helper" else separate_prm)(args, preset)
 
 
 if __name__ == "__main__":

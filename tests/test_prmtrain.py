@@ -9,22 +9,25 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.bench.results_file import file_hash, read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.compose import Selection, open_models
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.prm import PRM, PRMParams, RewardHead
 from kvrescue_local.prmtrain.evaluate import pair_scores
-from kvrescue_local.prmtrain.examples import LabelledStep, check_split, labelled_steps
+from kvrescue_local.prmtrain.examples import LabelledStep, check_split, killed_texts, labelled_steps
+from kvrescue_local.presets import load_preset
 from kvrescue_local.prmtrain.features import FeatureCache, row_hidden
 from kvrescue_local.prmtrain.fit import auc, fit_head, to_head
 from kvrescue_local.prmtrain.pipeline import (Rollouts, evaluate, features, labelled_rows, open_backbone,
                                               run_rollouts, train)
 from kvrescue_local.rescue import Candidate, Rescue, RescueConfig, Trajectory
+from kvrescue_local.rescue.judge import HelperJudge
 from kvrescue_local.rescue.loop import choose, problem_key
 
 from test_rescue import PROBLEM, config, without_timings
 
+TOY_PROBLEM = "a=7 b=4 c=5 d=9 e=6 f=2 g=8 h=3\nCompute 4 terms: a+d-c+g."
 HELD_OUT = 30  # toy problems toy-30 and above are kept out of training
 
 
@@ -214,3 +217,28 @@ def test_prm_train_command_end_to_end_on_the_toy_preset(toy_rollouts, tmp_path, 
     assert "0 rows read, 120 cached" in again.output
     two = CliRunner().invoke(main, args + ["--rollouts", str(toy_rollouts)])
     assert two.exit_code != 0 and "stage 1 extends one rollouts file" in two.output
+
+
+def test_a_head_on_the_helpers_own_context_trains_and_serves_on_the_states_it_was_trained_on(toy_rollouts, tmp_path,
+                                                                                           monkeypatch):
+    monkeypatch.setattr("kvrescue_local.prmtrain.pipeline.FEATURES_CACHE", tmp_path / "features")
+    out = tmp_path / "helper.head.npz"
+    args = ["prm", "train", "--preset", "toy", "--format", "helper-value", "--no-rollouts", "--rollouts",
+            str(toy_rollouts), "--out", str(out), "-t", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    preset = load_preset("toy")
+    head = RewardHead.load(out)
+    assert (head.format, head.backbone, head.prompt) == ("helper-value", file_hash(preset.helper), preset.prompt)
+
+    # the judge that serves it reads the states training read (the same code, the cached features)
+    trajectory = Trajectory.from_json(read_rows(toy_rollouts)[0]["trajectory"])
+    judge = open_backbone("toy", threads=1, head=out)
+    cached, was_cached = FeatureCache(judge, tmp_path / "features").hidden(trajectory)
+    assert was_cached and isinstance(judge, HelperJudge)
+    served = judge.rewards(judge.trajectory_hidden(trajectory.problem, [s.text for s in trajectory.steps],
+                                                   killed_texts(trajectory)))
+    np.testing.assert_allclose(served, head.rewards(cached), atol=1e-5)
+    solved = CliRunner().invoke(main, ["solve", "--preset", "toy", "--prm", f"helper:{out}", "-n", "2", "-t", "1",
+                                       "--budget", "48", TOY_PROBLEM])
+    assert solved.exit_code == 0 and "answer:" in solved.output, solved.output

@@ -25,6 +25,7 @@ from ..errors import KVRescueError
 from ..files import results_target, write_output
 from ..prm import PRM
 from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
+from ..rescue.judge import HelperHead
 from ..runtime import Model
 from .datasets import Dataset
 from .metrics import DEFAULT_CACHE, result_line
@@ -120,7 +121,7 @@ def parse_shard(text: str | None) -> tuple[int, int]:
 class Models:
     base: Model | None
     helper: Model | None
-    prm: PRM | None
+    prm: PRM | HelperHead | None  # HelperHead: `--prm helper`, the helper's own context (its model is the helper)
 
     def files(self) -> dict[str, Path | None]:
         return {"base": self.base and self.base.path, "helper": self.helper and self.helper.path,

@@ -3,15 +3,18 @@ evaluate it on held-out problems (kvrescue_local/prmtrain)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import click
 
 from ..bench.datasets import DATASET_NAMES
+from ..bench.results_file import file_hash
 from ..errors import KVRescueError
 from ..prm import FORMATS
 from ..rescue import MODES
+from ..rescue.judge import HelperJudge
 from .common import name_list, note
 from .options import POSITIVE, SEED, THREADS, IntList
 
@@ -36,9 +39,11 @@ def prm() -> None:
 @click.option("--max-tokens", type=POSITIVE, default=768, show_default=True, help="trajectory length cap")
 @click.option("--seed", "-s", type=SEED, default=0, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(sorted(FORMATS)), default="chat-value", show_default=True,
-              help="how the backbone reads a trajectory (the head records it)")
+              help="how the backbone reads a trajectory (the head records it); helper-value: the helper's own context, "
+                   "for `--prm helper`")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              help="the head file [default: where the preset reads it; coder: models/coder/prm.head.npz]")
+              help="the head file [default: where the preset reads it; coder: models/coder/prm.head.npz, with "
+                   "--format helper-value models/coder/helper.head.npz]")
 @click.option("--threads", "-t", type=THREADS, default=0, show_default=True, help="llama.cpp threads (0: KVRESCUE_THREADS, "
                                                                               "else physical cores - 1)")
 def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets, max_tokens, seed, fmt, out,
@@ -56,7 +61,7 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     if len(rollouts) > 1 and not no_rollouts:
         raise KVRescueError("stage 1 extends one rollouts file: pass one, merge them with `kvrescue-local bench merge`, "
                             "or add --no-rollouts to train on them as they are")
-    out = out or head_file(preset)
+    out = out or head_file(preset, fmt)
     clock = Stopwatch()
     if not no_rollouts:
         with click.progressbar(length=plan.rows, label="1/3 rollouts",
@@ -83,7 +88,9 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     seconds = clock.lap()
     for label, value in fit.validation.items():
         click.echo(f"  validation AUC {label:>16s}: {value:.3f}")
-    fit.head.save(out)
+    # the file it was trained on (`--prm helper` refuses a head of another), and the helper's prompt
+    dataclasses.replace(fit.head, backbone=file_hash(backbone.model.path),
+                        prompt=backbone.prompt if isinstance(backbone, HelperJudge) else None).save(out)
     click.echo(f"stage 3, train: {fit.choice.label} on {fit.steps} steps ({fit.positives} right), training AUC "
                f"{fit.train_auc:.3f}, {seconds:.1f} s; wrote {out}")
     click.echo(f"cross-validated on the training problems ({VALIDATION_SHARE} folds by problem, {fit.choice.label}; "

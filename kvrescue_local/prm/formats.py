@@ -2,12 +2,16 @@
 
 A format is data: the text before the first step, the text that closes each step (the
 reward is read from the hidden state at the last token of that closing text), and how the
-head's output becomes a reward.
+head's output becomes a reward. A format read "as held" takes each step as the helper model's
+context holds it: the text as sampled, nothing stripped or appended, the reward read at its own
+last token (`--prm helper`, kvrescue_local/rescue/judge.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import KVRescueError
 
@@ -23,12 +27,22 @@ class PRMFormat:
     prompt: str  # str.format template with {problem} and {bos}
     step_end: str  # appended to each (stripped) step; the reward is read at its last token
     output: str  # "softmax1": probability of class 1 of a 2-way head; "sigmoid": sigmoid of a 1-way head
+    as_held: bool = False  # steps as the helper holds them: step_tokens reads the text as it is (step_end unused)
 
-    def header(self, problem: str, bos: str) -> str:
-        return self.prompt.format(problem=problem, bos=bos)
+    def header(self, problem: str, bos: str, prompt: str | None = None) -> str:
+        """The text before the first step: the format's prompt, or `prompt` (a head's own, RewardHead.prompt)."""
+        return (prompt or self.prompt).format(problem=problem, bos=bos)
 
     def step_text(self, step: str) -> str:
         return step.strip() + self.step_end
+
+    def step_tokens(self, model, step: str) -> np.ndarray:
+        """The tokens a step is read in. As held: the text tokenized as plain text (as the loop queues a step for
+        the helper), and an empty step (a bare end of generation) read at the model's end-of-generation token."""
+        if not self.as_held:
+            return model.tokenize(self.step_text(step))
+        tokens = model.tokenize(step, special=False)
+        return tokens if len(tokens) else np.array([model.eos], np.int32)
 
 
 FORMATS = {
@@ -55,6 +69,16 @@ FORMATS = {
         prompt=QWEN_MATH_CHAT,
         step_end="\n\n",
         output="sigmoid",
+    ),
+    # A value head on the helper model's own context (`--prm helper`): the chat prompt the models solve in, each
+    # step as the helper holds it (its blank line, or none when max_step_tokens cut it), the reward read at the
+    # step's last token, sigmoid. A head of this format records the model file it was trained on.
+    "helper-value": PRMFormat(
+        name="helper-value",
+        prompt=QWEN_MATH_CHAT,
+        step_end="",
+        output="sigmoid",
+        as_held=True,
     ),
     # Skywork-o1-Open-PRM: bos + problem + "\n", each step closed by "\n", sigmoid value head.
     "value-head": PRMFormat(name="value-head", prompt="{bos}{problem}\n", step_end="\n", output="sigmoid"),

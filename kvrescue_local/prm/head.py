@@ -1,7 +1,8 @@
 """The reward head that sits on a PRM backbone's final hidden states, in numpy.
 
 Stored beside the backbone GGUF as `<backbone>.head.npz`: weight/bias arrays per linear
-layer (HF (out, in) layout), ReLU between layers, and a JSON string naming the format.
+layer (HF (out, in) layout), ReLU between layers, and a JSON string naming the format and, for a
+head trained here, the fingerprint of the model file whose hidden states it was trained on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class RewardHead:
     weights: list[np.ndarray]
     biases: list[np.ndarray]
     format: str
+    backbone: str | None = None  # fingerprint (bench.results_file.file_hash) of the GGUF it was trained on
+    prompt: str | None = None  # the prompt template it was trained on, where it is not its format's
 
     def __post_init__(self) -> None:
         prm_format(self.format)
@@ -57,7 +60,9 @@ class RewardHead:
     def save(self, path: str | Path) -> Path:
         arrays = {f"weight{i}": w for i, w in enumerate(self.weights)}
         arrays.update({f"bias{i}": b for i, b in enumerate(self.biases)})
-        meta = json.dumps({"format": self.format, "layers": len(self.weights)})
+        meta = json.dumps({"format": self.format, "layers": len(self.weights),
+                           **({"backbone": self.backbone} if self.backbone else {}),
+                           **({"prompt": self.prompt} if self.prompt else {})})
         buffer = io.BytesIO()
         np.savez(buffer, meta=np.array(meta), **arrays)
         return write_output(path, buffer.getvalue(), "the head file")
@@ -73,7 +78,7 @@ class RewardHead:
                 meta = json.loads(str(data["meta"]))
                 weights = [data[f"weight{i}"].astype(np.float32) for i in range(meta["layers"])]
                 biases = [data[f"bias{i}"].astype(np.float32) for i in range(meta["layers"])]
-            head = cls(weights, biases, meta["format"])
+            head = cls(weights, biases, meta["format"], meta.get("backbone"), meta.get("prompt"))
         except KVRescueError:
             raise
         # a truncated or foreign file fails in the zip reader, the array reader or the metadata

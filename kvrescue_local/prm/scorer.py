@@ -73,7 +73,7 @@ class PRM:
         """Forget the slot's problem and queue the new one's header."""
         self.finish(slot)
         self.prefix[slot], self.queued[slot] = [], []
-        self.append(slot, self.model.tokenize(self.format.header(problem, self.bos)))
+        self.append(slot, self.model.tokenize(self.format.header(problem, self.bos, self.head and self.head.prompt)))
 
     def finish(self, slot: int) -> None:
         """Forget the slot's problem and free its cells."""
@@ -88,7 +88,7 @@ class PRM:
 
     def commit(self, step: str, slot: int = PREFIX) -> None:
         """Append a step to the slot's cached trajectory (encoded once, never again)."""
-        self.append(slot, self.model.tokenize(self.format.step_text(step)))
+        self.append(slot, self.format.step_tokens(self.model, step))
 
     def flush(self) -> None:
         """Decode every slot's queued tokens together."""
@@ -122,7 +122,7 @@ class PRM:
             if len(texts) > self.params.max_candidates:
                 raise KVRescueError(f"{len(texts)} candidates exceed the PRM's max_candidates="
                                     f"{self.params.max_candidates}: raise it")
-        pieces = [(slot, self.model.tokenize(self.format.step_text(s))) for slot, texts in steps.items() for s in texts]
+        pieces = [(slot, self.format.step_tokens(self.model, s)) for slot, texts in steps.items() for s in texts]
         for slot, piece in pieces:
             self.check_length(slot, len(piece))
         groups = self.groups([len(p) for _, p in pieces])
@@ -175,7 +175,7 @@ class PRM:
         self.flush()
         if not steps:
             return np.zeros((0, self.model.n_embd), np.float32)
-        pieces = [self.model.tokenize(self.format.step_text(s)) for s in steps]
+        pieces = [self.format.step_tokens(self.model, s) for s in steps]
         tokens = np.concatenate(pieces)
         self.check_length(PREFIX, len(tokens))
         self.make_room(len(tokens))

@@ -2,7 +2,9 @@
 
 The committed steps of a row are read with `PRM.trajectory_hidden` (what `score_trajectory` feeds
 the head), the killed candidates with `PRM.candidate_hidden` on the committed prefix of their round
-(what `score` feeds the head in the loop): training and serving cannot disagree on a feature.
+(what `score` feeds the head in the loop): training and serving cannot disagree on a feature. For
+`--prm helper` (a HelperJudge on the helper's context) every labelled step is read as the loop reads a
+candidate, alone on the committed prefix of its round (`HelperJudge.trajectory_hidden`).
 
 One file per row, named by the backbone's fingerprint, the format and the hash of the row's problem
 and step texts, written atomically: a killed run reads what it had and continues.
@@ -22,15 +24,18 @@ from ..bench.results_file import file_hash
 from ..paths import CACHE
 from ..prm import PRM
 from ..rescue import Trajectory
+from ..rescue.judge import HelperJudge
 from .examples import killed_texts
 
 FEATURES_CACHE = CACHE / "prm-features"
 
 
-def row_hidden(prm: PRM, trajectory: Trajectory) -> np.ndarray:
+def row_hidden(prm: PRM | HelperJudge, trajectory: Trajectory) -> np.ndarray:
     """[labelled steps, n_embd] in `labelled_steps` order: each round's committed step, then its killed candidates."""
-    committed = prm.trajectory_hidden(trajectory.problem, [s.text for s in trajectory.steps])
     killed = killed_texts(trajectory)
+    if isinstance(prm, HelperJudge):
+        return prm.trajectory_hidden(trajectory.problem, [s.text for s in trajectory.steps], killed)
+    committed = prm.trajectory_hidden(trajectory.problem, [s.text for s in trajectory.steps])
     if not any(killed):
         return committed
     rows = []
@@ -44,9 +49,11 @@ def row_hidden(prm: PRM, trajectory: Trajectory) -> np.ndarray:
 
 
 class FeatureCache:
-    def __init__(self, prm: PRM, directory: Path = FEATURES_CACHE) -> None:
+    def __init__(self, prm: PRM | HelperJudge, directory: Path = FEATURES_CACHE) -> None:
         self.prm = prm
-        self.directory = directory / f"{file_hash(prm.model.path)}-{prm.format.name}"
+        # the helper's context holds its own prompt: part of what a feature is
+        read = f"-judged-{hashlib.sha256(prm.prompt.encode()).hexdigest()[:8]}" if isinstance(prm, HelperJudge) else ""
+        self.directory = directory / f"{file_hash(prm.model.path)}-{prm.format.name}{read}"
 
     def path(self, trajectory: Trajectory) -> Path:
         texts = {"problem": trajectory.problem, "steps": [s.text for s in trajectory.steps],

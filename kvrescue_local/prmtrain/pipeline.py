@@ -2,7 +2,8 @@
 
 1. rollouts: `bench run` on the training split (the settings of the Table 2 sweep: full, bon and helper,
    budgets 64 and 128, N = 1, 768 tokens), appended to a results file and resumed like any sweep;
-2. features: the PRM backbone's hidden states at each labelled step (features.py), cached per row;
+2. features: the PRM backbone's hidden states at each labelled step (features.py), cached per row; for a
+   format read as held (helper-value, `--prm helper`) the helper's own context, read by the loop's judge;
 3. train: a value head in numpy (fit.py), written where the preset looks for it.
 """
 
@@ -18,12 +19,15 @@ import numpy as np
 from ..bench.datasets import SPLITS, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import run_sweep, sweep_axes
-from ..compose import open_models, select_models
+from ..compose import PROMPT_METADATA, helper_head, open_models, select_models
 from ..errors import KVRescueError
 from ..paths import CACHE
-from ..prm import PRM, PRMParams, head_path
-from ..rescue import Mode
+from ..presets import HELPER
+from ..prm import PRM, PRMParams, RewardHead, head_path, prm_format
+from ..rescue import Generator, Mode
+from ..rescue.judge import HelperJudge
 from ..rescue.limits import check_prompts_fit
+from ..runtime import Model, SamplingParams
 from .evaluate import pair_scores, step_auc
 from .examples import LabelledStep, check_split, labelled_steps, usable
 from .features import FEATURES_CACHE, FeatureCache, dataset_hidden
@@ -31,6 +35,7 @@ from .fit import Fit, fit_head
 
 ROLLOUTS_CACHE = CACHE / "prm-train"
 PRM_CTX = 2048  # the PRM's starting context (it grows with a long trajectory)
+JUDGE_CTX = 4096  # the helper's context read as held: the prompt, a trajectory and one step (it cannot grow)
 
 
 @dataclass(frozen=True)
@@ -90,18 +95,41 @@ def labelled_rows(files: list[Path], split: str) -> tuple[list[dict], list[Label
     return kept, [s for row in kept for s in labelled_steps(row)], left_out
 
 
-def open_backbone(preset: str, threads: int, head: Path | None = None, features_only: str | None = None) -> PRM:
+def open_backbone(preset: str, threads: int, head: Path | None = None, features_only: str | None = None
+                  ) -> PRM | HelperJudge:
+    """What reads the hidden states: the preset's PRM, or for a format read as held (`--prm helper`) the judge on
+    its helper's context. features_only: a format name and no head (training one); else `head`, or the preset's."""
     selection = select_models({"preset": preset}, False, False, needs_prm=True)
-    if selection.paths["prm"] is None:
+    head = head or (None if features_only else head_file(preset))
+    fmt = prm_format(features_only or RewardHead.load(head).format)
+    if fmt.as_held:
+        config = selection.config({})
+        helper = Model(selection.paths["helper"])
+        gen = Generator("helper", helper, 1, JUDGE_CTX, None, SamplingParams(), config.max_step_tokens,
+                        n_batch=config.n_batch, flash_attn=config.flash_attn, kv_type=config.kv_type,
+                        n_threads=threads, scores=True)
+        if features_only:  # the prompt the loop gives the helper (compose.open_models)
+            return HelperJudge(gen, fmt, prompt=helper.metadata(PROMPT_METADATA) or config.prompt)
+        return HelperJudge(gen, fmt, helper_head(head, helper, preset).head)
+    backbone = selection.paths["helper"] if selection.paths["prm"] == HELPER else selection.paths["prm"]
+    if backbone is None:
         raise KVRescueError(f"the {preset} preset names no PRM backbone: a head is trained on the preset's PRM model")
     params = PRMParams(n_ctx=PRM_CTX, max_candidates=16, n_threads=threads)
-    return PRM(selection.paths["prm"], params, head=head or selection.paths["prm_head"], features_only=features_only)
+    return PRM(backbone, params, head=head, features_only=features_only)
 
 
-def head_file(preset: str) -> Path:
-    """Where the preset reads its PRM's head."""
-    paths = select_models({"preset": preset}, False, False, needs_prm=True).paths
-    return paths["prm_head"] or head_path(paths["prm"])
+def head_file(preset: str, fmt: str | None = None) -> Path:
+    """Where the preset reads its PRM's head (its default one; of format `fmt`: read as held, the head of `--prm
+    helper`)."""
+    selection = select_models({"preset": preset}, False, False, needs_prm=True)
+    p, paths = selection.preset, selection.paths
+    if fmt is None:
+        return paths["prm_head"] or head_path(paths["prm"])
+    if prm_format(fmt).as_held:
+        if p.helper_head is None:
+            raise KVRescueError(f"the {preset} preset has no place for a head on its helper's context: pass --out")
+        return p.helper_head
+    return p.prm_head or head_path(p.helper if p.prm == HELPER else p.prm)
 
 
 def features(prm: PRM, rows: list[dict], progress: Callable[[bool], None] = lambda cached: None,

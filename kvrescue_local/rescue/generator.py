@@ -83,7 +83,9 @@ class Generator:
     def __init__(self, side: str, model: Model, n: int, n_ctx: int, kv: KVBudget | None, sampling: SamplingParams,
                  max_step_tokens: int, n_batch: int = 512, flash_attn: str = DEFAULT_FLASH_ATTN,
                  type_k: str = "f16", type_v: str = "f16", n_threads: int = 0, slots: int = 1,
-                 slot_cells: int | None = None) -> None:
+                 slot_cells: int | None = None, scores: bool = False) -> None:
+        """scores: the context also scores candidate steps (`--prm helper`, judge.py): one sequence after the slots'
+        is left free to score in."""
         self.side = side
         self.model = model
         self.n = n
@@ -91,7 +93,7 @@ class Generator:
         self.stride = n + 1
         self.sampling = sampling
         self.max_step_tokens = max_step_tokens
-        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=slots * self.stride, n_batch=n_batch,
+        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=slots * self.stride + scores, n_batch=n_batch,
                                                 flash_attn=flash_attn, type_k=type_k, type_v=type_v, n_threads=n_threads))
         self.slot_cells = slot_cells or self.ctx.n_ctx
         self.budget = BudgetedSequences(self.ctx, kv) if kv else None

@@ -4,8 +4,9 @@ problem's trajectory.
 
 Modes share this machinery: `full` (base, no eviction), `bon` (base with eviction), `helper`
 (helper alone) and `kvrescue` (both, with the detector on the base). The problems in flight share one
-context per model (a slot of sequences each, see generator.py) and the PRM's: a round decodes the
-candidates of every problem together, scores all of them in one PRM call, commits each problem's winner,
+context per model (a slot of sequences each, see generator.py) and the PRM's (none with `--prm helper`: the
+head reads the helper's own context, judge.py): a round decodes the candidates of every problem together,
+scores all of them in one PRM call, commits each problem's winner,
 and a finished problem's slot takes the next one from the queue at once. Seeds come from the problem's
 text, the round, the side and the candidate, so a trajectory does not depend on what shares its batch.
 """
@@ -25,8 +26,9 @@ from ..errors import KVRescueError
 from ..prm import PRM
 from ..runtime import Model, SamplingParams
 from ..runtime.context import kv_bytes_per_cell
-from .config import RescueConfig
+from .config import LLAMA_MAX_SEQ, RescueConfig
 from .generator import Draft, Generator, Request
+from .judge import HelperHead, HelperJudge
 from .record import Step, Trajectory
 
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
@@ -45,6 +47,23 @@ def check_compatible(base: Model, helper: Model) -> bool:
                             f"{helper.token_bytes(helper.eos)!r}): use a base and helper of the same family")
     return base.n_vocab == helper.n_vocab and all(
         base.token_bytes(t) == helper.token_bytes(t) for t in range(base.n_vocab))
+
+
+def check_helper_judge(config: RescueConfig, judge: HelperHead, concurrency: int) -> None:
+    """The head reads the helper's context: the mode must have a helper, prompting it as in training, with one
+    llama.cpp sequence to spare for the candidate it scores."""
+    most = (LLAMA_MAX_SEQ - 1) // (config.n + 1)
+    if concurrency > most:
+        raise KVRescueError(f"concurrency {concurrency} does not fit with --prm helper: the helper's context holds "
+                            f"{config.n + 1} of llama.cpp's {LLAMA_MAX_SEQ} sequences per problem and one to score in; "
+                            f"use --concurrency 1 to {most}")
+    if not config.uses_helper:
+        raise KVRescueError(f"--prm helper scores in the helper's context, and mode {config.mode} has no helper: use "
+                            "mode kvrescue or helper, or pass --prm with a PRM model of its own")
+    if config.prompt != judge.prompt:
+        raise KVRescueError(f"the head {judge.head_file.name} was trained on the helper prompted otherwise than this "
+                            "run prompts it: drop --prompt-template, retrain the head in this prompt, or pass --prm "
+                            "with a PRM model of its own")
 
 
 def longest_prompt(config: RescueConfig, models: list[Model | None], problems: list[str]) -> int:
@@ -90,10 +109,10 @@ class Solving:
 
 class Rescue:
     """Runs problems through one mode, `concurrency` at a time; models, contexts and the PRM are created once
-    and reused."""
+    and reused. `prm`: a PRM of its own, or a HelperHead that scores in the helper's context."""
 
     def __init__(self, config: RescueConfig, base: Model | None = None, helper: Model | None = None,
-                 prm: PRM | None = None, prompt_tokens_max: int = 512, concurrency: int = 1) -> None:
+                 prm: PRM | HelperHead | None = None, prompt_tokens_max: int = 512, concurrency: int = 1) -> None:
         self.config = config
         if config.uses_base and base is None:
             raise KVRescueError(f"mode {config.mode} needs a base model: pass --base")
@@ -104,7 +123,11 @@ class Rescue:
                                 "them: pass --prm (or use N=1, or --choice random)")
         config.check_concurrency(concurrency)
         self.same_vocab = check_compatible(base, helper) if config.uses_base and config.uses_helper else False
-        self.prm = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
+        judge = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
+        in_helper = isinstance(judge, HelperHead)
+        if in_helper:
+            check_helper_judge(config, judge, concurrency)
+        self.prm = None if in_helper else judge  # the PRM with a context of its own
         if self.prm:
             self.prm.reserve(concurrency)
         self.concurrency = concurrency
@@ -117,9 +140,12 @@ class Rescue:
                             "helper": helper if config.uses_helper else None}.items():
             if model is not None:
                 kv = config.kv if side == "base" and config.evicts else None
-                n_ctx = config.context_cells(side, concurrency, prompt_tokens_max)
+                scores = in_helper and side == "helper"  # room for the one candidate scored at a time
+                n_ctx = config.context_cells(side, concurrency, prompt_tokens_max) + scores * config.max_step_tokens
                 type_k, type_v = config.cache_types(side)
-                self.sides[side] = Generator(side, model, config.n, n_ctx, kv, type_k=type_k, type_v=type_v, **common)
+                self.sides[side] = Generator(side, model, config.n, n_ctx, kv, type_k=type_k, type_v=type_v,
+                                             scores=scores, **common)
+        self.scorer = HelperJudge(self.sides["helper"], judge.format, judge.head) if in_helper else self.prm
         self.detector = Detector(config.detector) if config.mode.detects else None
         self.prompt_tokens_max = prompt_tokens_max
         self.prm_seconds = 0.0
@@ -183,6 +209,7 @@ class Rescue:
         """One round of every problem in flight; returns those that finished."""
         started = time.perf_counter()
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
+        judged_before = self.judged_seconds
         prm_before = self.prm_seconds
         for s in flying:
             s.drafts = []
@@ -194,6 +221,8 @@ class Rescue:
         self.score([s for s in flying if sum(not c.killed for c in s.drafts) > 1])
         finished = [s for s in flying if self.advance(s, on_step)]
         costs = {f"llama_{name}": g.llama_seconds - llama_before[name] for name, g in self.sides.items()}
+        if "llama_helper" in costs:  # the helper context's time scoring is the PRM's
+            costs["llama_helper"] -= self.judged_seconds - judged_before
         costs["prm"] = self.prm_seconds - prm_before
         costs["total"] = time.perf_counter() - started
         for s in flying:  # a round's work is shared: each problem in it is charged an equal part
@@ -203,11 +232,11 @@ class Rescue:
     def score(self, flying: list[Solving]) -> None:
         """The PRM scores the survivors of every problem that has a choice, in one call; a text that several
         candidates share is scored once, so equal steps get equal scores."""
-        if not self.prm or not flying:
+        if not self.scorer or not flying:
             return
         t0 = time.perf_counter()
         texts = {s.slot: list(dict.fromkeys(c.content for c in s.drafts if not c.killed)) for s in flying}
-        rewards = self.prm.score_many(texts)
+        rewards = self.scorer.score_many(texts)
         for s in flying:
             by_text = dict(zip(texts[s.slot], rewards[s.slot]))
             for cand in (c for c in s.drafts if not c.killed):
@@ -275,8 +304,14 @@ class Rescue:
             else:
                 gen.commit_foreign(slot, gen.model.tokenize(winner.content, special=False))
 
+    @property
+    def judged_seconds(self) -> float:
+        """The helper context's llama.cpp time spent scoring (`--prm helper`) so far."""
+        return self.scorer.llama_seconds if isinstance(self.scorer, HelperJudge) else 0.0
+
     def peak_kv_bytes(self) -> dict[str, int]:
-        """The most KV bytes each context held at the end of a round so far (base, helper, PRM)."""
+        """The most KV bytes each context held at the end of a round so far (base, helper, PRM; with `--prm helper`
+        the helper's includes the candidate it scores)."""
         out = {name: gen.peak_used_cells * gen.ctx.kv_bytes_per_cell for name, gen in self.sides.items()}
         if self.prm:
             out["prm"] = self.prm.peak_cells * kv_bytes_per_cell(self.prm.model, self.prm.params.kv_type, self.prm.params.kv_type)

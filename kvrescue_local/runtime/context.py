@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,6 +195,7 @@ class Context:
         self.n_embd = model.n_embd
         self.batch = Batch(params.n_batch)
         self.decode_seconds = 0.0  # wall time inside llama_decode, for cost reports
+        self.decoded_tokens = 0  # tokens llama_decode was given, for cost reports and tests
         self.sample_seconds = 0.0  # wall time in llama.cpp's samplers (see Sampler.sample)
         self.memory_seconds = 0.0  # wall time in llama.cpp's memory and the patch's calls (see `call`)
         self._decode = low.llama_decode
@@ -291,6 +293,16 @@ class Context:
         return self.call(patched().llama_kvr_seq_cells, self.memory, seq_id, None, None, 0)
 
     # --- decoding --------------------------------------------------------
+    @contextmanager
+    def hidden_states(self):
+        """Decodes inside give hidden states (`embedding`) as well as logits, in a context made without
+        embeddings=True. llama.cpp then outputs every token of a batch, so its other decodes stay without."""
+        self.call(llama().llama_set_embeddings, self.handle, True)
+        try:
+            yield
+        finally:
+            self.call(llama().llama_set_embeddings, self.handle, self.params.embeddings)
+
     def decode(self, tokens, positions, seq_ids, outputs) -> None:
         """One llama_decode of at most n_batch tokens; rows flagged in outputs get logits (or embeddings)."""
         n = len(tokens)
@@ -298,6 +310,7 @@ class Context:
             raise KVRescueError(f"a batch of {n} tokens exceeds n_batch={self.batch.capacity}")
         self.batch.fill(tokens, positions, seq_ids, outputs)
         self.n_outputs = int(np.count_nonzero(outputs))
+        self.decoded_tokens += n
         started = time.perf_counter()
         status = self._decode(self.handle, self.batch.struct)
         self.decode_seconds += time.perf_counter() - started
