@@ -130,15 +130,15 @@ def helper_judge(args, preset) -> None:
 
     def judge(slots: int) -> HelperJudge:
         gen = Generator("helper", helper, n, 4096 * slots, None, SamplingParams(), config.max_step_tokens,
-                        n_batch=config.n_batch, flash_attn=config.flash_attn, kv_type=config.kv_type, slots=slots,
-                        scores=True)
+                        n_batch=config.n_batch, flash_attn=config.flash_attn, type_k=config.helper_cache_type_k,
+                        type_v=config.helper_cache_type_v, slots=slots, scores=True)
         return HelperJudge(gen, fmt, head, prompt=config.prompt)
 
     clean, crowded = judge(1), judge(2)
     # the same states in a PRM context of its own: the head's format and prompt where it is a head for the helper
     as_held = prm_format(head.format).as_held
     prm = PRM(preset.helper, PRMParams(n_ctx=4096, max_candidates=16, n_batch=config.n_batch,
-                                       flash_attn=config.flash_attn, kv_type=config.kv_type),
+                                       flash_attn=config.flash_attn, kv_type=config.helper_cache_type_k),
               head=head_file if as_held else None, features_only=None if as_held else fmt.name)
     tally, seen, problem_now, held = Tally(), 0, None, 0
     for problem, committed, survivors, _ in rounds(args.results, args.config):

@@ -13,12 +13,14 @@ from kvrescue_local.errors import KVRescueError
 from kvrescue_local.gguf_export import TINY_HELPER
 from kvrescue_local.prm import PRM, PRMParams, RewardHead, prm_format
 from kvrescue_local.rescue import Generator, Rescue
+from kvrescue_local.rescue.config import cache_fields
 from kvrescue_local.rescue.judge import HelperJudge
 from kvrescue_local.runtime import Model, SamplingParams
 
 from test_rescue import PROBLEM, config
 
-EXACT = dict(kv_type="f32", flash_attn="off")
+EXACT = dict(type_k="f32", type_v="f32", flash_attn="off")
+EXACT_RUN = dict(**cache_fields("f32", "f32"), flash_attn="off")  # the same, as a RescueConfig's
 STEPS = ["a is 17.\n\n", "b is 25, so 17+25=42", " and so\n\n", "\\boxed{42}"]
 OTHERS = ["a is 71.\n\n", "", "zz\n\n"]
 
@@ -45,7 +47,7 @@ def test_the_head_in_the_helper_scores_a_trajectory_as_the_separate_prm_on_the_s
                                                                                        head_file):
     head = RewardHead.load(head_file)
     judge = judge_on(helper_model, head)
-    prm = PRM(helper_path, PRMParams(n_ctx=2048, max_candidates=8, **EXACT), head=head_file)
+    prm = PRM(helper_path, PRMParams(n_ctx=2048, max_candidates=8, kv_type="f32", flash_attn="off"), head=head_file)
     rows = judge.trajectory_hidden(PROBLEM, STEPS, [OTHERS] * len(STEPS))
     prm.start(PROBLEM)
     separate = []
@@ -79,7 +81,7 @@ def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file)
     """The helper context decodes the prompt, the candidates as it samples them, each committed step once (its own
     winner's last token, or the base's whole step) and each scored candidate once: nothing else."""
     judge = helper_head(head_file, helper_model, "tiny")
-    engine = Rescue(config(n=3, **EXACT), base_model, helper_model, judge)
+    engine = Rescue(config(n=3, **EXACT_RUN), base_model, helper_model, judge)
     trajectory = engine.solve(PROBLEM)
     ctx, fmt = engine.sides["helper"].ctx, judge.format
     assert trajectory.n_steps > 2 and any(s.score is not None for s in trajectory.steps)
@@ -92,7 +94,7 @@ def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file)
     assert ctx.decoded_tokens == prompt + sampled + committed + scored
     assert engine.prm is None and set(engine.peak_kv_bytes()) == {"base", "helper"}, "no context of a PRM's own"
     with pytest.raises(KVRescueError, match="one to score in; use --concurrency 1 to 127"):
-        Rescue(config(n=1, **EXACT), base_model, helper_model, judge, concurrency=128)
+        Rescue(config(n=1, **EXACT_RUN), base_model, helper_model, judge, concurrency=128)
 
 
 def winner(step):

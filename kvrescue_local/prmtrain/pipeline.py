@@ -106,8 +106,9 @@ def open_backbone(preset: str, threads: int, head: Path | None = None, features_
         config = selection.config({})
         helper = Model(selection.paths["helper"])
         gen = Generator("helper", helper, 1, JUDGE_CTX, None, SamplingParams(), config.max_step_tokens,
-                        n_batch=config.n_batch, flash_attn=config.flash_attn, kv_type=config.kv_type,
-                        n_threads=threads, scores=True)
+                        n_batch=config.n_batch, flash_attn=config.flash_attn,
+                        type_k=config.helper_cache_type_k, type_v=config.helper_cache_type_v, n_threads=threads,
+                        scores=True)
         if features_only:  # the prompt the loop gives the helper (compose.open_models)
             return HelperJudge(gen, fmt, prompt=helper.metadata(PROMPT_METADATA) or config.prompt)
         return HelperJudge(gen, fmt, helper_head(head, helper, preset).head)
