@@ -11,7 +11,7 @@ script: `PYTHONPATH=<checkout of that version> python3 perf/eviction_perf.py ...
 old-vs-new rkv line compares the last-layer redundancy of commit 4e1596c with the all-layer one).
 
 Usage: PYTHONPATH=. python3 perf/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
-                                                   [--policies rkv,snapkv] [--budgets 64,256]
+                                                   [--policies rkv,snapkv] [--budgets 64,256] [--n-gpu-layers N]
 """
 
 from __future__ import annotations
@@ -62,16 +62,22 @@ def generate(model: Model, prompt: np.ndarray, tokens: int, budget: KVBudget | N
     return total, evicting, sum(ctx.n_cells(s) for s in range(n_seq)), seqs
 
 
+def ledger_prompt(model: Model) -> np.ndarray:
+    return model.tokenize("<|im_start|>user\nLedger: a=17 b=42 c=5 d=93. Compute a+d-c.<|im_end|>\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--policies", default=",".join(sorted(POLICIES)))
     parser.add_argument("--budgets", default="64,256,512")
+    parser.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers offloaded to the GPU")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0))
-        prompt = model.tokenize("<|im_start|>user\nLedger: a=17 b=42 c=5 d=93. Compute a+d-c.<|im_end|>\n")
+        model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0),
+                      n_gpu_layers=args.n_gpu_layers)
+        prompt = ledger_prompt(model)
         per_cell = 2 * 2 * model.n_layer * n_embd_k_gqa_of(model)
         total, _, cells, _ = generate(model, prompt, args.tokens, None)
         full_rate = N_SEQ * args.tokens / total

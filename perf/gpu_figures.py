@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The figures a GPU decides, each a ratio of two runs measured side by side in this one run, as a table.
+
+On the bundled toy models (the real ones do not travel to a lent GPU machine), with --n-gpu-layers of
+each offloaded:
+  - decode tokens/s of 8 candidates in one batch against one llama_decode each (perf/decode_perf.py),
+    flash attention off and on;
+  - R-KV at budget 64 against full KV, tokens/s of 4 sequences x --tokens (perf/eviction_perf.py);
+  - KV-Rescue N = 8 (budget 64) problems/min at K = 1, 8 and 16 problems at once, K against K = 1, and the
+    engine's share of wall time at K = 16 (perf/concurrency_perf.py; goals >= 3x at K = 8, <= 10%).
+
+Usage: python3 perf/gpu_figures.py [--n-gpu-layers 99] [--steps 200] [--tokens 2000] [--problems 16]
+                                   [--table PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import concurrency_perf
+import decode_perf
+import eviction_perf
+
+from kvrescue_local.eviction import KVBudget
+from kvrescue_local.files import write_output
+from kvrescue_local.presets import load_preset
+from kvrescue_local.runtime import Model
+from kvrescue_local.runtime.lib import backends
+
+RKV_BUDGET = 64
+KS = (1, 8, 16)
+
+
+def table(rows: list[tuple[str, str, str, str]]) -> str:
+    header = ("figure", "measured", "ratio", "goal")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-gpu-layers", "-ngl", type=int, default=99, help="layers of each model offloaded")
+    parser.add_argument("--steps", type=int, default=200, help="decode steps of the batched-vs-sequential figure")
+    parser.add_argument("--tokens", type=int, default=2000, help="tokens per sequence of the R-KV figure")
+    parser.add_argument("--problems", type=int, default=16, help="toy problems solved at each K")
+    parser.add_argument("--table", type=Path, help="also write the table to this file")
+    args = parser.parse_args()
+    toy = load_preset("toy")
+    base = Model(toy.base, n_gpu_layers=args.n_gpu_layers)
+    print(f"toy base {base.describe()}, {args.n_gpu_layers} layers offloaded; backends "
+          + ", ".join(f"{name} ({n} devices)" for name, n in backends()), flush=True)
+    rows = []
+
+    for flash_attn in ("off", "on"):
+        started = time.perf_counter()
+        batched, sequential = decode_perf.batched_and_sequential(base, args.steps, flash_attn)
+        rows.append((f"decode, 8 candidates batched vs sequential, FA {flash_attn}",
+                     f"{batched:.0f} vs {sequential:.0f} tokens/s", f"{batched / sequential:.2f}x", ">= 3x"))
+        print(f"  {rows[-1][0]}: {rows[-1][1]}, {rows[-1][2]} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+    started = time.perf_counter()
+    prompt = eviction_perf.ledger_prompt(base)
+    full, _, _, _ = eviction_perf.generate(base, prompt, args.tokens, None)
+    rkv, evicting, _, seqs = eviction_perf.generate(base, prompt, args.tokens, KVBudget(budget=RKV_BUDGET, policy="rkv"))
+    tokens = eviction_perf.N_SEQ * args.tokens
+    rows.append((f"decode, R-KV B = {RKV_BUDGET} vs full KV ({eviction_perf.N_SEQ} x {args.tokens} tokens)",
+                 f"{tokens / rkv:.0f} vs {tokens / full:.0f} tokens/s (eviction {100 * evicting / rkv:.1f}%, "
+                 f"compaction {100 * seqs.compaction_seconds / rkv:.2f}%)", f"{full / rkv:.2f}x", "near 1x"))
+    print(f"  {rows[-1][0]}: {rows[-1][1]}, {rows[-1][2]} ({time.perf_counter() - started:.0f} s)", flush=True)
+    del base
+
+    for flash_attn in ("off", "on"):
+        options = concurrency_perf.parser().parse_args(
+            ["--preset", "toy", "--problems", str(args.problems), "--ks", ",".join(map(str, KS)), "-n", "8",
+             "--budget", "64", "--flash-attn", flash_attn, "--n-gpu-layers", str(args.n_gpu_layers)])
+        runs = {}
+        for row in concurrency_perf.measure(options):
+            runs[row.k] = row
+            print(f"  K = {row.k:2d}, FA {flash_attn}: {row.per_minute:.1f} problems/min, accuracy {row.accuracy:.1f}%, "
+                  f"wall {row.wall:.2f} s, engine {100 * row.outside_share:.1f}%", flush=True)
+        one = runs[1].per_minute
+        for k in KS[1:]:
+            rows.append((f"toy KV-Rescue N = 8, K = {k} vs K = 1 problems/min, FA {flash_attn}",
+                         f"{runs[k].per_minute:.1f} vs {one:.1f}", f"{runs[k].per_minute / one:.2f}x",
+                         ">= 3x" if k == 8 else "-"))
+        rows.append((f"toy KV-Rescue N = 8, engine's share of wall time at K = {KS[-1]}, FA {flash_attn}",
+                     f"{runs[KS[-1]].outside:.2f} of {runs[KS[-1]].wall:.2f} s",
+                     f"{100 * runs[KS[-1]].outside_share:.1f}%", "<= 10%"))
+
+    text = table(rows)
+    print(text, end="")
+    if args.table:
+        write_output(args.table, text, "--table")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
