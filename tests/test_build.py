@@ -2,6 +2,8 @@
 
 import hashlib
 import importlib.util
+import io
+import json
 import subprocess
 import sys
 import tarfile
@@ -128,3 +130,54 @@ def test_a_toolkit_without_cublas_or_driver_gets_pypi_cublas_and_no_vmm(build, t
     assert f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so'}" in args
     assert f"-DCMAKE_CUDA_FLAGS=-I{lib.parent / 'include'}" in args
     assert args[-1] == "-DGGML_CUDA_NO_VMM=ON"
+
+
+def test_the_stripped_sdist_has_the_pinned_tree_and_what_the_build_reads(build, tmp_path):
+    """Checked against the cached sdist: the kit's source (perf/gpu_check.sh --prepare) is what build.py pins."""
+    sdist = build.DEFAULT_CACHE / "sdist" / f"llama_cpp_python-{build.SDIST_VERSION}.tar.gz"
+    if not sdist.exists():
+        pytest.skip("no cached sdist: run patches/build.py first")
+    out = tmp_path / build.KIT_SOURCE
+    assert build.strip_sdist(sdist, out) == build.STRIPPED_TREE_SHA256
+    with tarfile.open(out) as tar:
+        names = set(tar.getnames())
+    root = f"llama_cpp_python-{build.SDIST_VERSION}"
+    for kept in ("CMakeLists.txt", "pyproject.toml", "llama_cpp/llama_cpp.py", ".git/modules/vendor/llama.cpp/HEAD",
+                 "vendor/llama.cpp/src/llama-context.cpp", "vendor/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu",
+                 "vendor/llama.cpp/ggml/src/ggml-rpc/ggml-rpc.cpp", "vendor/llama.cpp/src/models/qwen2.cpp"):
+        assert f"{root}/{kept}" in names, kept
+    assert not [n for n in names if build.stripped(n.removeprefix(f"{root}/"))]
+    assert out.stat().st_size < 8 * 2**20
+
+
+def test_a_kit_of_another_sdist_or_a_damaged_source_is_refused(build, tmp_path):
+    with pytest.raises(build.BuildError, match="prepare the kit first"):
+        build.kit_source(tmp_path)
+    manifest = {"sdist_sha256": "0" * 64, "tree_sha256": build.STRIPPED_TREE_SHA256, "source": build.KIT_SOURCE}
+    (tmp_path / build.KIT_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(build.BuildError, match="another sdist or strip rule"):
+        build.kit_source(tmp_path)
+    archive = tmp_path / "damaged.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        info = tarfile.TarInfo(f"llama_cpp_python-{build.SDIST_VERSION}/CMakeLists.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"bad"))
+    with pytest.raises(build.BuildError, match="the kit is damaged"):
+        build.unpack_source(archive, tmp_path / "src", build.STRIPPED_TREE_SHA256)
+
+
+def test_an_installed_cublas_wheel_is_linked_and_a_missing_one_is_not_downloaded_offline(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda", "libcuda")))
+    site = tmp_path / "site"
+    monkeypatch.setattr(sys, "path", [str(site)])
+    monkeypatch.setattr("site.getsitepackages", lambda: [])
+    with pytest.raises(build.BuildError, match="prepare this machine with network first"):
+        build.cuda_cmake_args(tmp_path / "cache", offline=True)
+    lib, include = site / "nvidia" / "cu13" / "lib", site / "nvidia" / "cu13" / "include"
+    for path in (lib / "libcublas.so.13", lib / "libcublasLt.so.13", include / "cublas_v2.h"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    args = build.cuda_cmake_args(tmp_path / "cache", offline=True)
+    assert f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so.13'}" in args
+    assert f"-DCMAKE_CUDA_FLAGS=-I{include}" in args
+    assert lib in build.cuda_library_dirs(tmp_path / "cache")
