@@ -37,7 +37,6 @@ import sysconfig
 import tarfile
 import tempfile
 import time
-from ctypes.util import find_library
 from pathlib import Path
 
 SDIST_NAME = "llama-cpp-python"
@@ -309,8 +308,9 @@ def cuda_cmake_args(cache: Path, offline: bool = False) -> list[str]:
         args += [f"-DCUDA_cublas_LIBRARY={cublas_library(lib, 'libcublas')}",
                  f"-DCUDA_cublasLt_LIBRARY={cublas_library(lib, 'libcublasLt')}",
                  f"-DCMAKE_CUDA_FLAGS={flag}", f"-DCMAKE_CXX_FLAGS={flag}"]
-    if not toolkit_has(root, "libcuda") and find_library("cuda") is None:
-        # no driver library to link against: ggml's virtual-memory pool needs it, the legacy pool does not
+    if not toolkit_has(root, "libcuda") and not toolkit_has(root, "stubs/libcuda"):
+        # no driver library for CMake to link against (it looks in the toolkit and its stubs; a driver's
+        # libcuda.so.1 alone is not linkable): ggml's virtual-memory pool needs one, the legacy pool does not
         args.append("-DGGML_CUDA_NO_VMM=ON")
     return args
 

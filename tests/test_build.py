@@ -110,19 +110,18 @@ def fake_toolkit(root: Path, *libraries: str) -> Path:
     nvcc.chmod(0o755)
     (root / "lib64").mkdir()
     for name in libraries:
+        (root / "lib64" / f"{name}.so").parent.mkdir(parents=True, exist_ok=True)
         (root / "lib64" / f"{name}.so").touch()
     return root
 
 
-def test_a_toolkit_with_cublas_and_a_driver_builds_with_plain_flags(build, tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda", "libcublas")))
-    monkeypatch.setattr(build, "find_library", lambda name: "libcuda.so.1")
+def test_a_toolkit_with_cublas_and_a_driver_stub_builds_with_plain_flags(build, tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda", "libcublas", "stubs/libcuda")))
     assert build.cuda_cmake_args(tmp_path / "cache") == ["-DGGML_CUDA=on"]
 
 
 def test_a_toolkit_without_cublas_or_driver_gets_pypi_cublas_and_no_vmm(build, tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda")))
-    monkeypatch.setattr(build, "find_library", lambda name: None)  # no driver installed
+    monkeypatch.setenv("CUDA_HOME", str(fake_toolkit(tmp_path / "cuda")))  # no libcuda to link, stub or driver
     lib = tmp_path / "cache" / "cuda-deps" / "cublas-cu13" / "nvidia" / "cu13" / "lib"
     lib.mkdir(parents=True)
     (lib / "libcublas.so").touch()  # unpacked before: no download
