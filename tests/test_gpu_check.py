@@ -97,3 +97,15 @@ def test_the_carried_wheels_cover_what_the_gpu_machine_lacks():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     needed = {re.split(r"[=<>\[; ]", d)[0].lower() for d in project} | {"diskcache", "typing-extensions"}  # llama-cpp-python's
     assert needed - ON_THE_GPU_MACHINE <= pins, sorted(needed - ON_THE_GPU_MACHINE - pins)
+
+
+def test_without_a_gpu_it_stops_with_one_line_before_building(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in (("nvcc", "echo 'Cuda compilation tools, release 13.0, V13.0.88'"), ("nvidia-smi", "exit 9")):
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env={"PATH": f"{bin_}:/usr/bin:/bin"})
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        "Error: no NVIDIA GPU found (nvidia-smi): on a machine without one run perf/gpu_check.sh --dry-run"]
