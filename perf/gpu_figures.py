@@ -32,9 +32,10 @@ from kvrescue_local.runtime.lib import backends
 
 RKV_BUDGET = 64
 KS = (1, 8, 16)
+Row = tuple[str, str, str, str]  # figure, what was measured, the ratio, its goal
 
 
-def table(rows: list[tuple[str, str, str, str]]) -> str:
+def table(rows: list[Row]) -> str:
     header = ("figure", "measured", "ratio", "goal")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [header, *rows]]
@@ -42,7 +43,40 @@ def table(rows: list[tuple[str, str, str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def batched_decode(base: Model, args: argparse.Namespace, flash_attn: str) -> list[Row]:
+    batched, sequential = decode_perf.batched_and_sequential(base, args.steps, flash_attn)
+    return [(f"decode, 8 candidates batched vs sequential, FA {flash_attn}",
+             f"{batched:.0f} vs {sequential:.0f} tokens/s", f"{batched / sequential:.2f}x", ">= 3x")]
+
+
+def rkv_decode(base: Model, args: argparse.Namespace) -> list[Row]:
+    prompt = eviction_perf.ledger_prompt(base)
+    full, _, _, _ = eviction_perf.generate(base, prompt, args.tokens, None)
+    rkv, evicting, _, seqs = eviction_perf.generate(base, prompt, args.tokens, KVBudget(budget=RKV_BUDGET, policy="rkv"))
+    tokens = eviction_perf.N_SEQ * args.tokens
+    return [(f"decode, R-KV B = {RKV_BUDGET} vs full KV ({eviction_perf.N_SEQ} x {args.tokens} tokens)",
+             f"{tokens / rkv:.0f} vs {tokens / full:.0f} tokens/s (eviction {100 * evicting / rkv:.1f}%, "
+             f"compaction {100 * seqs.compaction_seconds / rkv:.2f}%)", f"{full / rkv:.2f}x", "near 1x")]
+
+
+def problems_at_once(args: argparse.Namespace, flash_attn: str) -> list[Row]:
+    options = concurrency_perf.parser().parse_args(
+        ["--preset", "toy", "--problems", str(args.problems), "--ks", ",".join(map(str, KS)), "-n", "8",
+         "--budget", "64", "--flash-attn", flash_attn, "--n-gpu-layers", str(args.n_gpu_layers)])
+    runs = {}
+    for row in concurrency_perf.measure(options):
+        runs[row.k] = row
+        print(f"  K = {row.k:2d}, FA {flash_attn}: {row.per_minute:.1f} problems/min, accuracy {row.accuracy:.1f}%, "
+              f"wall {row.wall:.2f} s, engine {100 * row.outside_share:.1f}%", flush=True)
+    one, last = runs[KS[0]].per_minute, runs[KS[-1]]
+    rows = [(f"toy KV-Rescue N = 8, K = {k} vs K = 1 problems/min, FA {flash_attn}",
+             f"{runs[k].per_minute:.1f} vs {one:.1f}", f"{runs[k].per_minute / one:.2f}x", ">= 3x" if k == 8 else "-")
+            for k in KS[1:]]
+    return rows + [(f"toy KV-Rescue N = 8, engine's share of wall time at K = {KS[-1]}, FA {flash_attn}",
+                    f"{last.outside:.2f} of {last.wall:.2f} s", f"{100 * last.outside_share:.1f}%", "<= 10%")]
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-gpu-layers", "-ngl", type=int, default=99, help="layers of each model offloaded")
     parser.add_argument("--steps", type=int, default=200, help="decode steps of the batched-vs-sequential figure")
@@ -50,52 +84,29 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=16, help="toy problems solved at each K")
     parser.add_argument("--table", type=Path, help="also write the table to this file")
     args = parser.parse_args()
-    toy = load_preset("toy")
-    base = Model(toy.base, n_gpu_layers=args.n_gpu_layers)
+    base = Model(load_preset("toy").base, n_gpu_layers=args.n_gpu_layers)
     print(f"toy base {base.describe()}, {args.n_gpu_layers} layers offloaded; backends "
           + ", ".join(f"{name} ({n} devices)" for name, n in backends()), flush=True)
-    rows = []
-
-    for flash_attn in ("off", "on"):
+    figures = [(f"decode batched vs sequential, FA {fa}", lambda fa=fa: batched_decode(base, args, fa)) for fa in ("off", "on")]
+    figures.append(("decode R-KV vs full KV", lambda: rkv_decode(base, args)))
+    figures += [(f"toy KV-Rescue by K, FA {fa}", lambda fa=fa: problems_at_once(args, fa)) for fa in ("off", "on")]
+    rows, failed = [], 0
+    for name, measure in figures:
         started = time.perf_counter()
-        batched, sequential = decode_perf.batched_and_sequential(base, args.steps, flash_attn)
-        rows.append((f"decode, 8 candidates batched vs sequential, FA {flash_attn}",
-                     f"{batched:.0f} vs {sequential:.0f} tokens/s", f"{batched / sequential:.2f}x", ">= 3x"))
-        print(f"  {rows[-1][0]}: {rows[-1][1]}, {rows[-1][2]} ({time.perf_counter() - started:.0f} s)", flush=True)
-
-    started = time.perf_counter()
-    prompt = eviction_perf.ledger_prompt(base)
-    full, _, _, _ = eviction_perf.generate(base, prompt, args.tokens, None)
-    rkv, evicting, _, seqs = eviction_perf.generate(base, prompt, args.tokens, KVBudget(budget=RKV_BUDGET, policy="rkv"))
-    tokens = eviction_perf.N_SEQ * args.tokens
-    rows.append((f"decode, R-KV B = {RKV_BUDGET} vs full KV ({eviction_perf.N_SEQ} x {args.tokens} tokens)",
-                 f"{tokens / rkv:.0f} vs {tokens / full:.0f} tokens/s (eviction {100 * evicting / rkv:.1f}%, "
-                 f"compaction {100 * seqs.compaction_seconds / rkv:.2f}%)", f"{full / rkv:.2f}x", "near 1x"))
-    print(f"  {rows[-1][0]}: {rows[-1][1]}, {rows[-1][2]} ({time.perf_counter() - started:.0f} s)", flush=True)
-    del base
-
-    for flash_attn in ("off", "on"):
-        options = concurrency_perf.parser().parse_args(
-            ["--preset", "toy", "--problems", str(args.problems), "--ks", ",".join(map(str, KS)), "-n", "8",
-             "--budget", "64", "--flash-attn", flash_attn, "--n-gpu-layers", str(args.n_gpu_layers)])
-        runs = {}
-        for row in concurrency_perf.measure(options):
-            runs[row.k] = row
-            print(f"  K = {row.k:2d}, FA {flash_attn}: {row.per_minute:.1f} problems/min, accuracy {row.accuracy:.1f}%, "
-                  f"wall {row.wall:.2f} s, engine {100 * row.outside_share:.1f}%", flush=True)
-        one = runs[1].per_minute
-        for k in KS[1:]:
-            rows.append((f"toy KV-Rescue N = 8, K = {k} vs K = 1 problems/min, FA {flash_attn}",
-                         f"{runs[k].per_minute:.1f} vs {one:.1f}", f"{runs[k].per_minute / one:.2f}x",
-                         ">= 3x" if k == 8 else "-"))
-        rows.append((f"toy KV-Rescue N = 8, engine's share of wall time at K = {KS[-1]}, FA {flash_attn}",
-                     f"{runs[KS[-1]].outside:.2f} of {runs[KS[-1]].wall:.2f} s",
-                     f"{100 * runs[KS[-1]].outside_share:.1f}%", "<= 10%"))
-
+        try:  # one figure's failure leaves the others measured
+            new = measure()
+        except Exception as exc:  # noqa: BLE001 - reported in the table, the run goes on
+            failed += 1
+            new = [(name, f"failed: {type(exc).__name__}: {exc}", "-", "-")]
+        for row in new:
+            print(f"  {row[0]}: {row[1]}, {row[2]}", flush=True)
+        print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
+        rows += new
     text = table(rows)
     print(text, end="")
     if args.table:
         write_output(args.table, text, "--table")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
