@@ -353,11 +353,11 @@ def patched_source(archive: Path, tree: str | None, patches: list[Path], work: P
 
 
 def build_wheel(archive: Path, patches: list[Path], cmake_args: str, out_dir: Path, *, tree: str | None = None,
-                build_dir: Path | None = None, find_links: Path | None = None) -> Path:
+                build_dir: Path | None = None, find_links: Path | None = None, verbose: bool = False) -> Path:
     """Build the patched wheel from an sdist (tree=None) or a kit's stripped one; find_links: build without an
     index, the build backend from that folder."""
     with tempfile.TemporaryDirectory(prefix="kvrescue-build-") as tmp:
-        work = build_dir or Path(tmp)
+        work = (build_dir or Path(tmp)).resolve()  # the build backend runs in the source folder: no relative paths
         work.mkdir(parents=True, exist_ok=True)
         src = patched_source(archive, tree, patches, work)
         env = dict(os.environ, CMAKE_ARGS=cmake_args)
@@ -370,6 +370,8 @@ def build_wheel(archive: Path, patches: list[Path], cmake_args: str, out_dir: Pa
                f"--config-settings=build-dir={work / 'cmake'}"]
         if find_links:
             cmd += ["--no-index", "--find-links", str(find_links)]
+        if verbose:
+            cmd.append("--verbose")
         res = run(cmd, env=env)
         wheels = list(wheel_tmp.glob("*.whl"))
         if res.returncode != 0 or len(wheels) != 1:
@@ -408,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kit", type=Path, metavar="DIR", help="build from a kit made by --prepare-kit; no download")
     parser.add_argument("--build-dir", type=Path, metavar="DIR",
                         help="keep the source and CMake's build folder in DIR: an interrupted build resumes")
+    parser.add_argument("--verbose", action="store_true", help="show CMake's and the compilers' output as they run")
     parser.add_argument("--cuda-lib-path", action="store_true",
                         help="print the folders of the CUDA libraries a --cuda build links (for LD_LIBRARY_PATH), then stop")
     args = parser.parse_args(argv)
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(wheel_dir, ignore_errors=True)
             wheel = build_wheel(archive, patches, cmake_args, wheel_dir, tree=tree, build_dir=args.build_dir,
-                                find_links=args.kit / KIT_BUILD_WHEELS if args.kit else None)
+                                find_links=args.kit / KIT_BUILD_WHEELS if args.kit else None, verbose=args.verbose)
         if args.wheel_only:
             print(wheel)
             return 0

@@ -101,9 +101,10 @@ check_machine() {
 step_build() {
     local started wheel
     started=$(date +%s)
-    echo "== build: the patched wheel, -DGGML_CUDA=on for architecture $arch, $(nproc) jobs"
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$arch" \
-        "${nice[@]}" "${build[@]}" --wheel-only 2>&1 | tee "$OUT/build.log" || die "the build failed: see $OUT/build.log"
+    echo "== build: the patched wheel, -DGGML_CUDA=on for architecture $arch, $cores jobs"
+    CMAKE_BUILD_PARALLEL_LEVEL=$cores CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=$arch" \
+        "${nice[@]}" "${build[@]}" --wheel-only --verbose 2>&1 | tee "$OUT/build.log" \
+        | { grep -E '^(\[kvrescue build\]|error:)' || true; } || die "the build failed: see the end of $OUT/build.log"
     wheel=$(tail -1 "$OUT/build.log")
     rm -rf "$site"
     "$PYTHON" -m pip install --quiet --no-index --no-deps "${WHEEL_TAGS[@]}" --target "$site" "$KIT"/wheels/*.whl "$wheel" \
@@ -150,12 +151,14 @@ main() {
         return
     fi
     check_machine
+    # every core, counted before OMP_NUM_THREADS (which nproc obeys) is set for a dry run
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     export OUT=${OUT:-$WORK/out}
     mkdir -p "$OUT" "$WORK"
     exec > >(tee -a "$OUT/gpu_check.log") 2>&1
     local started
     started=$(date +%s)
-    echo "gpu_check ($mode, steps $steps) on $(uname -n), $(nproc) cores, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "gpu_check ($mode, steps $steps) on $(uname -n), $cores cores, $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo "nvcc: $(nvcc --version | tail -1); GPU: $gpu (CUDA architecture $arch)"
     if [ "$mode" = dry-run ]; then
         cache=()  # the wheel cache of this machine: a dry run reuses a wheel built before
