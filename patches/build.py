@@ -30,6 +30,7 @@ import io
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -218,9 +219,48 @@ def check_vendored_commit(src: Path) -> None:
                          "rebase the series (patches/README.md) and update LLAMA_CPP_COMMIT")
 
 
+HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+\d+(?:,\d+)? @@")
+HUNK_SEARCH = 200  # lines either side of a hunk's stated place where its context may be found (patch's offset)
+
+
+def apply_diff(vendor: Path, patch: Path) -> list[tuple[Path, str]]:
+    """What `patch -p1` makes of a `git diff` (files added or changed, exact context), for a machine without
+    the patch program: (file, new text) pairs, written by the caller once the whole series applies."""
+    changed: dict[Path, list[str]] = {}
+    for chunk in re.split(r"(?m)^diff --git ", patch.read_text())[1:]:
+        lines = chunk.splitlines(keepends=True)
+        old_name = next(l for l in lines if l.startswith("--- "))[4:].strip()
+        target = vendor / next(l for l in lines if l.startswith("+++ "))[4:].strip().split("/", 1)[1]
+        source = changed.get(target) or ([] if old_name == "/dev/null" else target.read_text().splitlines(keepends=True))
+        out, done = [], 0
+        starts = [i for i, line in enumerate(lines) if HUNK.match(line)]
+        for i, start in enumerate(starts):
+            body = lines[start + 1:starts[i + 1] if i + 1 < len(starts) else len(lines)]
+            before = [l[1:] for l in body if l[:1] in (" ", "-")]
+            after = [l[1:] for l in body if l[:1] in (" ", "+")]
+            stated = max(int(HUNK.match(lines[start]).group(1)) - 1, 0) if before else 0
+            for offset in sorted(range(-HUNK_SEARCH, HUNK_SEARCH + 1), key=abs):
+                at = stated + offset
+                if at >= done and source[at:at + len(before)] == before:
+                    break
+            else:
+                raise BuildError(f"patch {patch.name} does not apply to {target.relative_to(vendor)}: "
+                                 f"hunk {lines[start].strip()} not found")
+            out += source[done:at] + after
+            done = at + len(before)
+        changed[target] = out + source[done:]
+    return [(path, "".join(text)) for path, text in changed.items()]
+
+
 def apply_patches(vendor: Path, patches: list[Path]) -> None:
     if shutil.which("patch") is None:
-        raise BuildError("the `patch` program is missing: install it (Debian: apt-get install patch)")
+        # no patch program (a bare CUDA image): the series' own diffs are simple enough to apply here
+        for p in patches:
+            for path, text in apply_diff(vendor, p):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            log(f"applied {p.name} (without the patch program)")
+        return
     for p in patches:
         # The vendored llama.cpp is a git submodule gitfile: plain patch, not git apply.
         dry = run(["patch", "-p1", "--dry-run", "--batch", "--forward", "-d", str(vendor), "-i", str(p)],

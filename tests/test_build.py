@@ -31,7 +31,10 @@ def test_a_corrupt_sdist_is_refused_and_deleted(build, tmp_path):
     assert not sdist.exists()
 
 
-def test_a_patch_that_does_not_apply_is_named(build, tmp_path):
+@pytest.mark.parametrize("patch_program", [True, False], ids=["patch", "built-in"])
+def test_a_patch_that_does_not_apply_is_named(build, tmp_path, monkeypatch, patch_program):
+    if not patch_program:
+        monkeypatch.setattr(build.shutil, "which", lambda name: None)
     vendor = tmp_path / "vendor"
     (vendor / "include").mkdir(parents=True)
     (vendor / "include" / "llama.h").write_text("something else entirely\n")
@@ -39,8 +42,9 @@ def test_a_patch_that_does_not_apply_is_named(build, tmp_path):
         build.apply_patches(vendor, build.patch_series())
 
 
-def test_the_series_applies_to_the_pinned_sdist(build, tmp_path):
-    """Checked against the sdist in the build cache (present after the README's set-up)."""
+def test_the_series_applies_to_the_pinned_sdist(build, tmp_path, monkeypatch):
+    """Checked against the sdist in the build cache (present after the README's set-up), with the patch program
+    and without it."""
     sdist = build.DEFAULT_CACHE / "sdist" / f"llama_cpp_python-{build.SDIST_VERSION}.tar.gz"
     if not sdist.exists():
         pytest.skip("no cached sdist: run patches/build.py first")
@@ -55,8 +59,15 @@ def test_the_series_applies_to_the_pinned_sdist(build, tmp_path):
                    and m.name.split("/vendor/llama.cpp/", 1)[1] in touched]
         assert len(members) == len(touched), "every upstream file the series touches is in the sdist"
         root = Path(tar.getnames()[0]).parts[0]
-        tar.extractall(tmp_path, members=members, filter="data")
-    build.apply_patches(tmp_path / root / "vendor" / "llama.cpp", build.patch_series())
+        tar.extractall(tmp_path / "patch", members=members, filter="data")
+        tar.extractall(tmp_path / "built-in", members=members, filter="data")
+    with_patch, built_in = (tmp_path / side / root / "vendor" / "llama.cpp" for side in ("patch", "built-in"))
+    build.apply_patches(with_patch, build.patch_series())
+    # a machine without the patch program: the built-in applier makes the same files
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    build.apply_patches(built_in, build.patch_series())
+    for path in sorted(touched | created):
+        assert (built_in / path).read_bytes() == (with_patch / path).read_bytes(), path
 
 
 def test_the_vendored_llama_cpp_commit_is_checked(build, tmp_path):
