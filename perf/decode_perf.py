@@ -5,7 +5,7 @@ Prints:
   - tokens/s of 8 candidates decoded in one batch vs one llama_decode per candidate;
   - the wrapper's time per decode call vs calling llama_decode directly on a prepared batch.
 
-Usage: python3 perf/decode_perf.py [--steps 200] [--model PATH.gguf]
+Usage: python3 perf/decode_perf.py [--steps 200] [--model PATH.gguf] [--n-gpu-layers N]
 """
 
 from __future__ import annotations
@@ -38,27 +38,40 @@ def timed(fn, steps: int) -> float:
     return time.perf_counter() - started
 
 
+def prompt_of(model: Model) -> np.ndarray:
+    return model.tokenize("<|im_start|>user\n" + "Compute a+b+c for a=1 b=2 c=3. " * 4 + "<|im_end|>\n")
+
+
+def batched_and_sequential(model: Model, steps: int, flash_attn: str) -> tuple[float, float]:
+    """Tokens/s of the 8 candidates decoded in one batch per step, then one llama_decode per candidate."""
+    prompt = prompt_of(model)
+    tokens = np.full(N_CANDIDATES, ord("x"), np.int32)
+    seqs = np.arange(N_CANDIDATES, dtype=np.int32)
+    batched = candidates_context(model, prompt, flash_attn)
+    t_batched = timed(lambda: batched.step(seqs, tokens), steps)
+    sequential = candidates_context(model, prompt, flash_attn)
+    t_sequential = timed(lambda: [sequential.step(seqs[i:i + 1], tokens[i:i + 1]) for i in range(N_CANDIDATES)], steps)
+    return steps * N_CANDIDATES / t_batched, steps * N_CANDIDATES / t_sequential
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", type=Path, help="a GGUF (default: a tiny random qwen2)")
+    parser.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers offloaded to the GPU")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0))
-        prompt = model.tokenize("<|im_start|>user\n" + "Compute a+b+c for a=1 b=2 c=3. " * 4 + "<|im_end|>\n")
+        model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0),
+                      n_gpu_layers=args.n_gpu_layers)
+        prompt = prompt_of(model)
         tokens = np.full(N_CANDIDATES, ord("x"), np.int32)
         seqs = np.arange(N_CANDIDATES, dtype=np.int32)
 
-        n = args.steps * N_CANDIDATES
         print(f"{N_CANDIDATES} candidates x {args.steps} steps on {model.describe()}")
         for flash_attn in ("off", "on"):
-            batched = candidates_context(model, prompt, flash_attn)
-            t_batched = timed(lambda: batched.step(seqs, tokens), args.steps)
-            sequential = candidates_context(model, prompt, flash_attn)
-            t_sequential = timed(lambda: [sequential.step(seqs[i:i + 1], tokens[i:i + 1])
-                                          for i in range(N_CANDIDATES)], args.steps)
-            print(f"  flash attention {flash_attn:3}: batched {n / t_batched:8.0f} tokens/s, sequential "
-                  f"{n / t_sequential:8.0f} tokens/s, speed-up {t_sequential / t_batched:.2f}x (goal >= 3x)")
+            batched, sequential = batched_and_sequential(model, args.steps, flash_attn)
+            print(f"  flash attention {flash_attn:3}: batched {batched:8.0f} tokens/s, sequential "
+                  f"{sequential:8.0f} tokens/s, speed-up {batched / sequential:.2f}x (goal >= 3x)")
 
         # The same 8-token batch through the wrapper and through llama_decode directly.
         wrapped = candidates_context(model, prompt, "off")

@@ -18,6 +18,7 @@ old-vs-new rkv line compares the last-layer redundancy of commit 4e1596c with th
 Usage: PYTHONPATH=. python3 perf/eviction_perf.py [--tokens 2000] [--model PATH.gguf]
                                                    [--policies rkv,snapkv] [--budgets 64,256]
                                                    [--cache-types f16,q8_0,q4_0] [--flash-attn on|off]
+                                                   [--n-gpu-layers N]
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ def print_comparison(model: Model, prompt: np.ndarray, tokens: int, policies: li
               f"{max(run.seqs.peak_cells.values())} (limit {budget.limit}), resident {run.resident_mib():7.2f} MiB")
 
 
+def ledger_prompt(model: Model) -> np.ndarray:
+    return model.tokenize("<|im_start|>user\nLedger: a=17 b=42 c=5 d=93. Compute a+d-c.<|im_end|>\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2000)
@@ -123,13 +128,14 @@ def main() -> None:
                                                              "is the one the others are compared with")
     parser.add_argument("--flash-attn", choices=["on", "off"],
                         help="[default: on when a cache type quantizes V (llama.cpp needs it), else off]")
+    parser.add_argument("--n-gpu-layers", "-ngl", type=int, default=0, help="layers offloaded to the GPU")
     args = parser.parse_args()
     caches = tuple(args.cache_types.split(","))
     flash_attn = args.flash_attn or ("on" if any(CACHE_TYPES[cache_types(c)[1]].quantized for c in caches) else "off")
     with tempfile.TemporaryDirectory() as tmp:
-        model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0))
-        prompt = model.tokenize("<|im_start|>user\nLedger: a=17 b=42 c=5 d=93. Compute a+d-c.<|im_end|>\n")
-        print_comparison(model, prompt, args.tokens, args.policies.split(","), [int(b) for b in args.budgets.split(",")],
+        model = Model(args.model or write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0),
+                      n_gpu_layers=args.n_gpu_layers)
+        print_comparison(model, ledger_prompt(model), args.tokens, args.policies.split(","), [int(b) for b in args.budgets.split(",")],
                          caches=caches, flash_attn=flash_attn)
 
 

@@ -1,6 +1,7 @@
 """Tiny qwen2 GGUF models, written once per test session from fixed seeds."""
 
 import dataclasses
+import os
 import signal
 
 import numpy as np
@@ -14,6 +15,10 @@ from kvrescue_local.runtime import Model
 # Ctrl-C on a child would see it ignored. A handler (unlike SIG_IGN) is reset to the default on exec.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# KVRESCUE_TEST_NGL=99 offloads every layer of the test models (perf/gpu_check.sh on a GPU machine), so that
+# the patch's graph ops, K-row reads and compactions run on the GPU's backend; 0 (the default) keeps them on the CPU.
+N_GPU_LAYERS = int(os.environ.get("KVRESCUE_TEST_NGL", "0"))
 
 
 @pytest.fixture(scope="session")
@@ -33,18 +38,19 @@ def helper_path(tiny_dir):
 
 @pytest.fixture(scope="session")
 def base_model(base_path):
-    return Model(base_path)
+    return Model(base_path, n_gpu_layers=N_GPU_LAYERS)
 
 
 @pytest.fixture(scope="session")
 def helper_model(helper_path):
-    return Model(helper_path)
+    return Model(helper_path, n_gpu_layers=N_GPU_LAYERS)
 
 
 @pytest.fixture(scope="session")
 def one_layer_model(tiny_dir):
     """With one layer a token's K/V depend on nothing but the token and its position."""
-    return Model(write_tiny_model(tiny_dir / "one-layer.gguf", dataclasses.replace(TINY_BASE, n_layer=1), seed=3))
+    return Model(write_tiny_model(tiny_dir / "one-layer.gguf", dataclasses.replace(TINY_BASE, n_layer=1), seed=3),
+                 n_gpu_layers=N_GPU_LAYERS)
 
 
 def constant_model(path, favourite: int | None):
@@ -61,7 +67,7 @@ def constant_model(path, favourite: int | None):
     if favourite is not None:
         output[favourite] = 12.0 / np.sqrt(shape.n_embd)  # the normalised hidden state is all ones
     weights["output.weight"] = output
-    return Model(write_qwen2_gguf(path, shape, weights))
+    return Model(write_qwen2_gguf(path, shape, weights), n_gpu_layers=N_GPU_LAYERS)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,111 @@
+"""perf/gpu_check.sh cannot drift from what it runs: every command line it holds names options that the
+command (kvrescue-local, a perf script, patches/build.py) has, its --help names the options and steps it takes,
+and the wheels it carries cover what the package imports that the GPU machine lacks. Nothing is built here."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from test_docs import _split, check_command
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "perf" / "gpu_check.sh"
+TEXT = SCRIPT.read_text()
+# what the lent GPU machine's Python has (docs/gpu-build.md); the rest travels as wheels
+ON_THE_GPU_MACHINE = {"numpy", "click", "jinja2", "huggingface-hub", "pytest"}
+
+
+def logical_lines(text: str) -> list[str]:
+    return text.replace("\\\n", " ").splitlines()
+
+
+def options_after(line: str, marker: str) -> set[str]:
+    """The --options written after `marker` on a script line, up to a pipe or a redirection."""
+    tail = re.split(r"\s(?:\||2>&1|>)", line.split(marker, 1)[1])[0]
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", tail))
+
+
+def help_text(path: Path) -> str:
+    out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def python_commands() -> list[tuple[Path, set[str]]]:
+    """(script, options) of every perf/*.py and patches/build.py command line in gpu_check.sh."""
+    found = []
+    for line in logical_lines(TEXT):
+        for script in re.findall(r"(?:perf|patches)/\w+\.py", line):
+            if not line.lstrip().startswith("#"):
+                found.append((ROOT / script, options_after(line, script)))
+        if '"${build[@]}"' in line:  # build=(... patches/build.py ...) run with more options
+            found.append((ROOT / "patches" / "build.py", options_after(line, '"${build[@]}"')))
+    return found
+
+
+def test_the_script_runs_the_build_the_doctor_and_the_figures():
+    scripts = {path.name for path, _ in python_commands()}
+    assert scripts == {"build.py", "gpu_figures.py"}, scripts
+    assert re.search(r"\bcli\.py doctor\b", TEXT)
+
+
+@pytest.mark.parametrize("path,options", python_commands(), ids=lambda v: v.name if isinstance(v, Path) else None)
+def test_every_option_the_script_passes_a_python_script_exists(path, options):
+    help_ = help_text(path)
+    missing = {o for o in options if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", help_)}
+    assert not missing, f"perf/gpu_check.sh passes {sorted(missing)} to {path.relative_to(ROOT)}, which has no such option"
+
+
+def test_every_kvrescue_local_command_the_script_runs_exists():
+    commands = [line.split("cli.py", 1)[1] for line in logical_lines(TEXT) if "cli.py " in line]
+    assert commands
+    for command in commands:
+        assert not check_command(_split(command)), command
+
+
+def test_the_help_names_the_options_and_steps_the_script_takes():
+    usage = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True).stdout
+    arguments = re.search(r"case \$1 in\n(.*?)\n\s*esac", TEXT, flags=re.S).group(1)
+    accepted = set(re.findall(r"^\s+(--[a-z-]+)[)=|]", arguments, flags=re.M))
+    assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", usage)) == accepted - {"--help"}
+    steps = re.search(r"^ALL_STEPS=(\S+)", TEXT, flags=re.M).group(1)
+    assert f"--steps {steps}" in usage
+    for step in steps.split(","):
+        assert f"wants {step}" in TEXT, f"the step {step} has no block"
+
+
+def test_the_gpu_tests_it_runs_exist():
+    files = re.search(r"GPU_TESTS=\(([^)]*)\)", TEXT).group(1).split()
+    assert files and all((ROOT / f).is_file() for f in files), files
+
+
+@pytest.mark.parametrize("args,message", [(["--bogus"], "unknown option --bogus"),
+                                          (["--steps", "build,fly"], "unknown step 'fly'")])
+def test_a_wrong_option_or_step_ends_in_one_error_line(args, message):
+    out = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"Error: {message}")
+
+
+def test_the_carried_wheels_cover_what_the_gpu_machine_lacks():
+    pins = {re.split(r"[=<>]", line)[0].lower().replace("_", "-")
+            for line in (ROOT / "perf" / "gpu_wheels.txt").read_text().splitlines() if line and not line.startswith("#")}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    needed = {re.split(r"[=<>\[; ]", d)[0].lower() for d in project} | {"diskcache", "typing-extensions"}  # llama-cpp-python's
+    assert needed - ON_THE_GPU_MACHINE <= pins, sorted(needed - ON_THE_GPU_MACHINE - pins)
+
+
+def test_without_a_gpu_it_stops_with_one_line_before_building(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, body in (("nvcc", "echo 'Cuda compilation tools, release 13.0, V13.0.88'"), ("nvidia-smi", "exit 9")):
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    out = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env={"PATH": f"{bin_}:/usr/bin:/bin"})
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.splitlines() == [
+        "Error: no NVIDIA GPU found (nvidia-smi): on a machine without one run perf/gpu_check.sh --dry-run"]
