@@ -57,6 +57,11 @@ class Finite(click.ParamType):
         return number
 
 
+def comma_items(value) -> list[str]:
+    """The non-empty, stripped items of a comma-separated option value."""
+    return [x.strip() for x in str(value).split(",") if x.strip()]
+
+
 class IntList(click.ParamType):
     """Comma-separated integers, at least one, each at least `low`."""
 
@@ -68,7 +73,7 @@ class IntList(click.ParamType):
     def convert(self, value, param, ctx) -> list[int]:
         if isinstance(value, list):
             return value
-        items = [x.strip() for x in str(value).split(",") if x.strip()]
+        items = comma_items(value)
         if not items:
             self.fail(f"{value!r} holds no values: give comma-separated integers, e.g. 64,128", param, ctx)
         try:
@@ -122,7 +127,7 @@ class Names(click.ParamType):
         if isinstance(value, list):
             return value
         spelled = {(a.lower() if self.fold_case else a): a for a in self.allowed}
-        items = [x.strip() for x in str(value).split(",") if x.strip()] if self.several else [str(value).strip()]
+        items = comma_items(value) if self.several else [str(value).strip()]
         names = []
         for item in items:
             name = spelled.get(item.lower() if self.fold_case else item)
@@ -145,7 +150,7 @@ class CacheTypeList(click.ParamType):
     def convert(self, value, param, ctx) -> list[str]:
         if isinstance(value, list):
             return value
-        labels = [x.strip() for x in str(value).split(",") if x.strip()]
+        labels = comma_items(value)
         if not labels:
             self.fail(f"{value!r} names no cache type: give e.g. f16,q8_0,q4_0 (or K/V such as q8_0/f16)", param, ctx)
         for label in labels:
