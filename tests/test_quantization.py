@@ -109,6 +109,24 @@ def test_the_cache_quantizes_a_source_once_and_a_preset_file_s_copy_keeps_its_re
     assert preset_of("base", first).name == "toy"
 
 
+def test_the_coder_helper_is_the_pulled_0_5b_at_f16_made_once_and_the_prm_reads_the_pulled_file(base_path, monkeypatch,
+                                                                                                  tmp_path):
+    import dataclasses
+
+    from kvrescue_local import presets
+
+    monkeypatch.setattr(quantize, "QUANTIZED_DIR", tmp_path / "quantized")
+    monkeypatch.setattr(presets, "MODELS_CACHE", tmp_path)
+    pulled = {name: quantize.quantize(base_path, tmp_path / f"{name}.gguf", "Q8_0") for name in presets.CODER_MODELS}
+    monkeypatch.setattr(presets, "WHEEL_MODELS", {name: dataclasses.replace(model, size=pulled[name].stat().st_size)
+                                                  for name, model in presets.WHEEL_MODELS.items() if name in pulled})
+    preset = presets.coder_preset()
+    assert preset.helper.parent == tmp_path / "quantized" and quantize.file_type(preset.helper) == "F16"
+    assert preset.base == pulled["coder-1.5b"] and preset.prm in (pulled["coder-0.5b"], presets.HELPER)
+    made = preset.helper.stat().st_mtime_ns
+    assert presets.coder_preset().helper.stat().st_mtime_ns == made, "made once"
+
+
 def test_cache_type_sizes_are_ggml_s():
     ggml = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
     ggml.ggml_type_size.restype = ctypes.c_size_t

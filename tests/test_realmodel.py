@@ -13,6 +13,7 @@ from kvrescue_local import presets
 from kvrescue_local.bench.grade import is_correct
 from kvrescue_local.detect import Detector, DetectorParams, token_entropy
 from kvrescue_local.eviction import BudgetedSequences, KVBudget, reference
+from kvrescue_local.quantize import file_type
 from kvrescue_local.rescue import QWEN_MATH_COT, Generator, Request, Rescue, RescueConfig, check_compatible
 from kvrescue_local.runtime import Context, ContextParams, Model, SamplingParams
 from kvrescue_local.runtime.attention import cell_scores, key_rows
@@ -141,3 +142,37 @@ def test_the_coder_prm_is_the_helper_read_in_its_own_prompt_with_the_shipped_hea
     rewards = prm.rewards(together)
     assert ((rewards > 0) & (rewards < 1)).all()
     np.testing.assert_allclose(rewards, prm.rewards(whole), atol=0.05)
+
+
+def test_the_coder_helper_at_f16_holds_a_candidate_s_hidden_state_whatever_the_context_s_layout(coder):
+    """The judge (`--prm helper`) scores a candidate on the committed prefix as the helper wrote it: in batches or one
+    token a decode, beside other problems' cells. At Q4_K_M llama.cpp rounds each matmul's activations to 8 bits, which
+    turns float-order differences of those layouts into percents of the final hidden state (one judged pick in five
+    flipped, docs/prm.md); the F16 copy the coder preset's helper runs at stays a hundred times closer."""
+    f16 = Model(presets.coder_helper(coder.path))
+    steps = ["It takes 2 / 2 = 1 bolt of white fiber.\n\n", "So the total is 2 + 1 = 3 bolts of fiber.\n\n"]
+    candidate = "The answer is \\boxed{3}."
+
+    def hidden(model: Model, one_token_a_decode: bool) -> np.ndarray:
+        ctx = Context(model, ContextParams(n_ctx=1024, n_seq_max=3, n_threads=1))
+        if one_token_a_decode:  # as sampled steps are written, after another problem's prompt
+            ctx.prefill(2, model.tokenize(QWEN_MATH_COT.format(problem="What is 7 times 8?")))
+        ctx.prefill(0, model.tokenize(QWEN_MATH_COT.format(problem=PROBLEM)))
+        for step in steps:
+            tokens = model.tokenize(step, special=False)
+            if one_token_a_decode:
+                for token in tokens:
+                    ctx.step([0], [int(token)])
+            else:
+                ctx.prefill(0, tokens)
+        ctx.fork(0, 1)
+        with ctx.hidden_states():
+            return ctx.embedding(ctx.prefill(1, model.tokenize(candidate, special=False)))
+
+    def moved(model: Model) -> float:
+        batched, stepped = hidden(model, False), hidden(model, True)
+        return float(np.linalg.norm(batched - stepped) / np.linalg.norm(batched))
+
+    assert file_type(f16.path) == "F16"
+    at_f16, at_q4 = moved(f16), moved(coder)
+    assert at_f16 < 2e-3 < at_q4, (at_f16, at_q4)  # measured 4.8e-4 and 2.1e-2

