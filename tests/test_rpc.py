@@ -93,6 +93,15 @@ def test_rpc_server_on_a_build_without_rpc_is_one_error_line():
     assert result.returncode == 1 and line.startswith("Error:") and "patches/build.py --rpc" in line
 
 
+def test_llama_cpp_s_errors_reach_stderr_but_a_cuda_build_without_a_device_adds_no_line(capsys):
+    from kvrescue_local.runtime.lib import log_errors
+
+    log_errors(4, b"ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected\n")
+    log_errors(2, b"llama_model_loader: loaded meta data with 26 key-value pairs\n")
+    log_errors(4, b"llama_model_load: error loading model\n")
+    assert capsys.readouterr().err == "llama_model_load: error loading model\n"
+
+
 def test_an_unreachable_rpc_server_is_one_error_line():
     if not rpc_build():
         pytest.skip("this llama.cpp has no RPC backend (python3 patches/build.py --rpc)")

@@ -29,11 +29,20 @@ def llama():
     return low
 
 
-@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
-def _quiet_log(level: int, text: bytes, user_data) -> None:
-    # llama.cpp logs every load at INFO; keep errors (level 4) visible on stderr.
-    if level == 4 and text:
+# A CUDA build on a machine without a CUDA device logs this as an error when its backend registers, before any
+# command runs; the CPU backend serves instead, `doctor` says whether offload works, and a command's own error stays
+# its one `Error:` line.
+NO_CUDA_DEVICE = b"ggml_cuda_init: failed to initialize CUDA"
+
+
+def log_errors(level: int, text: bytes | None) -> None:
+    """llama.cpp logs every load at INFO; keep errors (level 4) visible on stderr."""
+    if level == 4 and text and not text.startswith(NO_CUDA_DEVICE):
         sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(
+    lambda level, text, user_data: log_errors(level, text))
 
 
 def bind_patch(lib: ctypes.CDLL) -> ctypes.CDLL:
