@@ -89,22 +89,24 @@ class Selection:
         return preset_config(self.preset, **merged(option_overrides(options), overrides))
 
 
-def helper_prm(value: str | None) -> tuple[bool, Path | None]:
-    """--prm helper[:HEAD.npz]: whether the head reads the helper's context, and the head file given (None: the
-    preset's)."""
-    if value is None or value.split(":", 1)[0] != HELPER:
-        return False, None
-    head = value.split(":", 1)[1] if ":" in value else ""
-    return True, Path(head) if head else None
+def prm_head_given(value: str | None) -> tuple[str | None, Path | None]:
+    """--prm helper[:HEAD.npz] or PATH.gguf[:HEAD.npz]: the PRM without its head, and the head file given (None:
+    the preset's, else the one beside the backbone)."""
+    if value is None or ":" not in value or not value.endswith(".npz"):
+        return value, None
+    prm, head = value.rsplit(":", 1)
+    return prm, Path(head)
 
 
 def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm: bool = True,
                   note: Callable[[str], None] = lambda text: None) -> Selection:
     """--base/--helper/--prm, falling back to --preset for what is not given. A PRM is needed only where a
     round has a choice (more than one candidate); `--prm helper` reads the helper's context with the preset's
-    helper head, `--prm helper:HEAD.npz` with that one."""
+    helper head, `--prm helper:HEAD.npz` with that one; `--prm PATH.gguf:HEAD.npz` is a separate PRM whose head
+    is not beside it."""
     given = {role: options.get(role) for role in ("base", "helper", "prm")}
-    in_helper, head_given = helper_prm(given["prm"])
+    given["prm"], head_given = prm_head_given(given["prm"])
+    in_helper = given["prm"] == HELPER
     needed = {"base": needs_base, "helper": needs_helper or in_helper and needs_prm, "prm": needs_prm}
     preset = None
     if any(given[role] is None for role, need in needed.items() if need) or (in_helper and needs_prm and not head_given):
@@ -112,13 +114,11 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         if preset.note:
             note(f"preset {preset.name}: {preset.note}")
     paths = {role: given[role] or (getattr(preset, role) if preset else None) for role in given}
-    if in_helper:
-        paths["prm"] = HELPER
-    # a preset's head may ship apart from its backbone; a --prm backbone has its head beside it
+    # a preset's head may ship apart from its backbone; a --prm backbone has its head beside it unless one is given
     if paths["prm"] == HELPER:
         paths["prm_head"] = head_given or (preset.helper_head if preset else None)
     else:
-        paths["prm_head"] = preset.prm_head if preset and not given["prm"] else None
+        paths["prm_head"] = head_given or (preset.prm_head if preset and not given["prm"] else None)
     for role in ("base", "helper"):
         paths[role] = paths[role] and resolve_gguf(paths[role])
     if given["prm"] and not in_helper and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:

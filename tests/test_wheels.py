@@ -113,11 +113,13 @@ def test_coder_preset_needs_pulled_models_and_its_prm_head_where_a_round_has_a_c
         with open(tmp_path / f"{name}.gguf", "wb") as f:
             f.truncate(WHEEL_MODELS[name].size)
     shipped = tmp_path / "shipped"
-    shutil.copytree(SHIPPED_MODELS / "coder", shipped / "coder", ignore=shutil.ignore_patterns("prm.head.npz"))
-    monkeypatch.setattr(presets, "SHIPPED_MODELS", shipped)
     # the stand-ins cannot be quantized: the helper's F16 copy stands for itself
     monkeypatch.setattr(presets, "coder_helper", lambda pulled: pulled)
-    assert presets.coder_preset().prm == tmp_path / "coder-0.5b.gguf", "the PRM reads the pulled 0.5B"
+    assert presets.coder_preset().prm == presets.HELPER, "the shipped helper head judges in the helper's context"
+    shutil.copytree(SHIPPED_MODELS / "coder", shipped / "coder",
+                    ignore=shutil.ignore_patterns("prm.head.npz", "helper.head.npz"))
+    monkeypatch.setattr(presets, "SHIPPED_MODELS", shipped)
+    assert presets.coder_preset().prm == tmp_path / "coder-0.5b.gguf", "without it, a separate PRM on the pulled 0.5B"
     for mode, n in (("kvrescue", 1), ("bon", 2)):
         result = CliRunner().invoke(main, ["solve", "--preset", "coder", "--mode", mode, "-n", str(n), "1+1?"])
         assert result.exit_code == 1, result.output

@@ -45,8 +45,9 @@ SEARCH_OPTIONS = [
     click.option("--preset", default="toy", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
     click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--helper", help="helper model (full context): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
-    click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it), a hub checkpoint owner/repo, or "
-                               "helper[:HEAD.npz]: a head on the helper's own context (the preset's helper head, or that one)"),
+    click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it, or PATH.gguf:HEAD.npz), a hub "
+                               "checkpoint owner/repo, or helper[:HEAD.npz]: a head on the helper's own context (the "
+                               "preset's helper head, or that one)"),
     click.option("--prompt-template", type=PromptTemplate(),
                  help="the chat prompt, with {problem} where the problem goes [default: the model's (preset or GGUF "
                       "metadata), else Qwen2.5-Math's]"),
