@@ -10,10 +10,11 @@ decoded again.
 Alone, a candidate's hidden state does not depend on which candidates share a decode: grouped (as the
 separate PRM decodes a round's candidates) that layout noise is as large as the head's margins between
 similar steps and flipped about one N = 4 pick in six (perf/prm_layout.py). The committed prefix still
-carries the layout it was written in, which on the coder pair moves the pick as often (docs/prm.md). It is
-also the state training
-reads: prmtrain/features.py scores every labelled step through `candidate_hidden` on the committed prefix
-of its round, so training and serving read the same states by the same code.
+carries the layout it was written in; at Q4_K_M weights llama.cpp's 8-bit activations amplify that into
+picks flipped as often, which is why the coder helper runs at F16 (presets.coder_helper, docs/prm.md). It
+is also the state training reads: prmtrain/features.py scores every labelled step through
+`candidate_hidden` on the committed prefix of its round, so training and serving read the same states by
+the same code.
 
 The states of a helper candidate are not taken from the decode that sampled it: that decode is shared by
 the round's N candidates (its layout noise again), and its last token was never decoded.
