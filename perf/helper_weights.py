@@ -13,7 +13,7 @@ measured side by side in one run:
      alone on a forked prefix, in tokens/s, the files interleaved over 3 repetitions.
 
 Usage: KVRESCUE_THREADS=1 python3 perf/helper_weights.py [--models A.gguf,B.gguf] [--results FILE] [--rounds 8]
-           [--config kvrescue-b64-n4-rkv:heads=shared] [--head FILE]
+           [--config kvrescue-b64-n4-rkv:heads=shared] [--head FILE] [--cache-type f16]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LAYOUTS = {"one token a decode": (False, True), "after another problem": (True, 
 
 def layout_part(model: Model, args, prompt_template: str, head: RewardHead) -> None:
     fmt = prm_format("helper-value")
-    ctx = Context(model, ContextParams(n_ctx=8192, n_seq_max=3, n_threads=0))
+    ctx = Context(model, ContextParams(n_ctx=8192, n_seq_max=3, type_k=args.cache_type, type_v=args.cache_type))
 
     def hidden(problem: str, committed: list[str], survivors: list[str], other: bool, stepped: bool) -> np.ndarray:
         for seq in range(3):
@@ -72,7 +72,7 @@ def layout_part(model: Model, args, prompt_template: str, head: RewardHead) -> N
             relative.extend((np.linalg.norm(moved - batched, axis=1) / np.linalg.norm(batched, axis=1)).tolist())
             differences.extend(np.abs(head.rewards(moved) - scores).tolist())
             tally[name] = (relative, differences, flips + int(np.argmax(head.rewards(moved)) != np.argmax(scores)))
-    print(f"{model.path.name}: {seen} rounds, against the prefix written in batches")
+    print(f"{model.path.name}, KV {args.cache_type}: {seen} rounds, against the prefix written in batches")
     for name, (relative, differences, flips) in tally.items():
         print(f"  {name:22s}: hidden state moves {np.mean(relative):.2e} (mean, relative), score "
               f"{np.mean(differences):.5f} mean / {np.max(differences):.5f} max; favourite differs in {flips} of {seen}")
@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--results", default="results/coder-gsm8k-table2.jsonl", help="KV-Rescue rows to replay")
     parser.add_argument("--config", default="kvrescue-b64-n4-rkv:heads=shared", help="the rows' config_key")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--cache-type", default="f16", help="the KV cache type of the layout part (K and V)")
     parser.add_argument("--head", default=str(SHIPPED_MODELS / "coder" / "prm.head.npz"),
                         help="the head the scores are read with (a layout test, not a quality one)")
     args = parser.parse_args()
