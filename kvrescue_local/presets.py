@@ -128,10 +128,10 @@ def coder_preset(directory: Path | None = None) -> Preset:
 
 def coder_helper(pulled: Path) -> Path:
     """The coder preset's helper: the pulled Q4_K_M 0.5B with its weights at F16, made once into the model cache by
-    llama.cpp's quantizer (`models pull coder` makes it; 27 s, 1.2 GB). The same function as the pulled file, but llama.cpp quantizes the
-    activations of a Q4_K_M matmul to 8 bits on a CPU, and that rounding turns float-order differences of the
-    context's layout into 2% of the final hidden state, enough to flip one judged pick in five; at F16 it is 0.07%
-    (perf/helper_weights.py, docs/prm.md)."""
+    llama.cpp's quantizer (`models pull coder` makes it; 27 s, 1.2 GB). The same function as the pulled file, but
+    llama.cpp quantizes the activations of a Q4_K_M matmul to 8 bits on a CPU, and that rounding turns float-order
+    differences of the context's layout into 2% of the final hidden state, enough to flip one judged pick in five;
+    at F16 it is 0.07% (perf/helper_weights.py, docs/prm.md)."""
     from .quantize import cached_path, quantized
 
     if not cached_path(pulled, CODER_HELPER_WEIGHTS).exists():

@@ -103,14 +103,14 @@ def quantized(src: Path, weight_type: str, allow_requantize: bool = False,
               progress: Callable[[int, int], None] | None = None) -> tuple[Path, bool]:
     """src at weight_type in the model cache, made now unless it is there (src itself when it is of that type
     already): (path, made now)."""
-    src = Path(src)
+    src = check_input_file(Path(src), "the source model")
     weight_type = check_weight_type(weight_type)
-    if file_type(check_input_file(src, "the source model")) == weight_type:
+    out = cached_path(src, weight_type)
+    if out.exists():  # first: reading a GGUF's type parses its whole tensor index (6 s for the 0.5B)
+        return out, False
+    if file_type(src) == weight_type:
         return src, False
     check_source(src, weight_type, allow_requantize)
-    out = cached_path(src, weight_type)
-    if out.exists():
-        return out, False
     out.parent.mkdir(parents=True, exist_ok=True)
     quantize(src, out, weight_type, allow_requantize, progress)
     return out, True
