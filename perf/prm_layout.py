@@ -10,14 +10,14 @@ is within m of the best), the share of rounds whose pick differs.
 prefix, as that PRM scores a round) and each alone (a decode of its own); and the scores recorded in the row (the
 loop's, on the machine that ran it) beside those scored together.
 
---prm helper (`--prm helper`, rescue/judge.py): the judge on the helper's context scores each survivor alone,
-as the loop does, in two layouts of everything else: clean (only this problem in the context, each committed step
-decoded in batches) and crowded (another problem's prompt in the cells before it, the committed steps decoded one
-token a decode, as a sampled step is written, and the round's survivors held in the problem's candidate sequences
-as the helper holds its candidates while scoring). Beside them, on the same file, format and head in a PRM context
-of its own: each survivor alone (the judge's layout, decoded by other code), and the baseline, the survivors
-grouped in one decode against each alone. The head is --head, else the preset's helper head, else its
-PRM head (its weights on states read as held: a layout test, not a quality one).
+--prm helper (`--prm helper`, rescue/judge.py): the judge on the helper's context scores each round as the loop
+does (`score_round`: the helper's survivors read in the sequences that sampled them, written one token a decode,
+the base's decoded in scoring sequences, another problem's prompt, steps and round in the same context and
+decodes, the committed steps written one token a decode) against each survivor read alone on a clean context
+(the layout the head is trained in). Beside them, on the same file, format and head in a PRM context of its own:
+each survivor alone (decoded by other code), and the baseline, the survivors grouped in one decode against each
+alone. The head is --head, else the preset's helper head, else its PRM head (its weights on states read as
+held: a layout test, not a quality one).
 
 Usage: python3 perf/prm_layout.py RESULTS.jsonl [--preset coder] [--prm preset|helper] [--head FILE] [--helper FILE]
                                    [--config kvrescue-b64-n4-rkv:heads=shared] [--rounds 60]
@@ -36,6 +36,7 @@ from kvrescue_local.compose import preset_config
 from kvrescue_local.presets import load_preset
 from kvrescue_local.prm import PRM, PRMParams, RewardHead, prm_format
 from kvrescue_local.rescue import Generator
+from kvrescue_local.rescue.generator import Draft
 from kvrescue_local.rescue.judge import HelperJudge
 from kvrescue_local.runtime import Model, SamplingParams
 
@@ -43,7 +44,8 @@ OTHER_PROBLEM = "Natalia sold clips to 48 of her friends in April, and then she 
 
 
 def rounds(path: str, config_key: str):
-    """(problem, committed steps before the round, the round's distinct survivors, their recorded scores)."""
+    """(problem, committed steps before the round, the round's distinct survivors, their recorded scores, and each
+    survivor's (side, finished) as first sampled)."""
     with open(path, encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines]
     for row in rows:
@@ -51,9 +53,14 @@ def rounds(path: str, config_key: str):
             continue
         steps = row["trajectory"]["steps"]
         for i, step in enumerate(steps):
-            recorded = {c["text"]: c["score"] for c in step["candidates"] if c["finished"] != "killed"}
+            survivors = [c for c in step["candidates"] if c["finished"] != "killed"]
+            recorded = {c["text"]: c["score"] for c in survivors}
+            origin = {}
+            for c in sorted(survivors, key=lambda c: c["side"] != "helper"):  # as the judge reads a shared text
+                origin.setdefault(c["text"], (c["side"], c["finished"]))
             if len(recorded) > 1:
-                yield row["trajectory"]["problem"], [s["text"] for s in steps[:i]], list(recorded), list(recorded.values())
+                yield (row["trajectory"]["problem"], [s["text"] for s in steps[:i]], list(recorded),
+                       list(recorded.values()), [origin[t] for t in recorded])
 
 
 MARGINS = (0.0, 0.005, 0.01, 0.02)  # a pick by margin m: the first survivor within m of the best (0: the best)
@@ -88,7 +95,7 @@ class Tally:
 def separate_prm(args, preset) -> None:
     prm = PRM(preset.prm, PRMParams(n_ctx=4096, max_candidates=16), head=args.head or preset.prm_head)
     tally, seen = Tally(), 0
-    for problem, committed, survivors, recorded in rounds(args.results, args.config):
+    for problem, committed, survivors, recorded, _ in rounds(args.results, args.config):
         if seen == args.rounds:
             break
         seen += 1
@@ -102,21 +109,26 @@ def separate_prm(args, preset) -> None:
     tally.show(seen)
 
 
-def hold(gen: Generator, slot: int, texts: list[str]) -> None:
-    """The slot's candidate sequences hold `texts`, decoded together from its committed sequence (as the helper
-    holds its own candidates while the round is scored)."""
-    ctx, committed = gen.ctx, gen.committed(slot)
-    tokens, seqs, positions = [], [], []
-    for seq, text in zip(gen.sequences(slot)[1:], texts):
-        ctx.fork(committed, seq)
-        piece = gen.model.tokenize(text, special=False)
-        tokens += piece.tolist()
-        seqs += [seq] * len(piece)
-        positions += range(ctx.pos_max(committed) + 1, ctx.pos_max(committed) + 1 + len(piece))
-    for at in range(0, len(tokens), ctx.batch.capacity):
-        part = slice(at, at + ctx.batch.capacity)
-        ctx.decode(np.array(tokens[part], np.int32), np.array(positions[part], np.int32), np.array(seqs[part], np.int32),
-                   np.zeros(len(tokens[part]), np.int8))
+def sampled_round(gen: Generator, slots: list[int], survivors: list[str], origins) -> dict[int, list[Draft]]:
+    """Each slot's round as the loop holds it when it scores: the helper's survivors in the slot's candidate
+    sequences, decoded from its committed sequence one token a decode, every sequence in the same decodes, their
+    last token not decoded (an end-of-generation step's last text token is); the base's as drafts of their own."""
+    ctx, drafts, writing = gen.ctx, {}, []
+    for slot in slots:
+        drafts[slot] = []
+        own = iter(gen.sequences(slot)[1:])
+        for i, (text, (side, finished)) in enumerate(zip(survivors, origins)):
+            tokens = gen.model.tokenize(text, special=False).tolist() + [gen.model.eos] * (finished == "eos")
+            draft = Draft(side, i, next(own) if side == "helper" else -1, tokens=tokens, text=bytearray(text.encode()),
+                          finished=finished, pending=None if finished == "eos" else tokens[-1])
+            drafts[slot].append(draft)
+            if side == "helper":
+                gen.fork(gen.committed(slot), draft.seq)
+                writing.append((draft.seq, tokens[:-1]))
+    for at in range(max((len(t) for _, t in writing), default=0)):
+        live = [(seq, t[at]) for seq, t in writing if at < len(t)]
+        ctx.step([seq for seq, _ in live], [token for _, token in live])
+    return drafts
 
 
 def helper_judge(args, preset) -> None:
@@ -126,7 +138,7 @@ def helper_judge(args, preset) -> None:
     head = RewardHead.load(head_file)
     fmt = prm_format("helper-value")
     helper = Model(args.helper or preset.helper)
-    n = max(len(s) for _, _, s, _ in rounds(args.results, args.config))
+    n = max(len(s) for _, _, s, _, _ in rounds(args.results, args.config))
 
     def judge(slots: int) -> HelperJudge:
         gen = Generator("helper", helper, n, 4096 * slots, None, SamplingParams(), config.max_step_tokens,
@@ -141,7 +153,7 @@ def helper_judge(args, preset) -> None:
                                        flash_attn=config.flash_attn, kv_type=config.helper_cache_type_k),
               head=head_file if as_held else None, features_only=None if as_held else fmt.name)
     tally, seen, problem_now, held = Tally(), 0, None, 0
-    for problem, committed, survivors, _ in rounds(args.results, args.config):
+    for problem, committed, survivors, _, origins in rounds(args.results, args.config):
         if seen == args.rounds:
             break
         seen += 1
@@ -152,7 +164,8 @@ def helper_judge(args, preset) -> None:
             crowded.gen.start(1, helper.tokenize(config.prompt.format(problem=problem)))
             crowded.gen.flush()
             prm.start(problem)
-        crowded.gen.drop_candidates(1)
+        for slot in (0, 1):
+            crowded.gen.drop_candidates(slot)
         for text in committed[held:]:
             tokens = helper.tokenize(text, special=False)
             clean.gen.feed(0, tokens)
@@ -162,10 +175,11 @@ def helper_judge(args, preset) -> None:
         held = len(committed)
         clean.gen.flush()
         alone = clean.score_many({0: survivors})[0]
-        hold(crowded.gen, 1, survivors)
-        tally.add("judge: crowded vs clean", crowded.score_many({1: survivors})[1], alone)
+        drafts = sampled_round(crowded.gen, [0, 1], survivors, origins)
+        served = crowded.score_round(drafts, lambda d: [t for t in d.tokens if not helper.is_eog(t)])[1]
+        tally.add("judge: as served vs alone", [served[t] for t in survivors], alone)
         prm_alone = head.rewards(np.concatenate([prm.candidate_hidden([text]) for text in survivors]))
-        tally.add("judge (clean) vs a PRM context, alone", alone, prm_alone)
+        tally.add("judge (alone) vs a PRM context, alone", alone, prm_alone)
         tally.add("baseline, a PRM context: grouped vs alone", head.rewards(prm.candidate_hidden(survivors)), prm_alone)
         if seen % 10 == 0:  # a long replay says where it is
             print(f"{seen} rounds: picks differ (by margin) {tally.flips}", file=sys.stderr, flush=True)

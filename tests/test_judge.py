@@ -1,6 +1,7 @@
 """`--prm helper` on the tiny pair through llama.cpp: a reward head on the helper's own context scores as the
-separate PRM on the same file does, refuses a head of another file or format in one Error line, decodes
-no committed step twice, and no candidate's score depends on the candidates beside it."""
+separate PRM on the same file does, reads a round where it was sampled as each candidate alone would be read,
+refuses a head of another file or format in one Error line, decodes no committed step twice, and no score read
+alone depends on the candidates beside it."""
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from kvrescue_local.errors import KVRescueError
 from kvrescue_local.gguf_export import TINY_HELPER
 from kvrescue_local.prm import PRM, PRMParams, RewardHead, prm_format
 from kvrescue_local.rescue import Generator, Rescue
+from kvrescue_local.rescue.generator import Draft, Request
 from kvrescue_local.rescue.config import cache_fields
 from kvrescue_local.rescue.judge import HelperJudge
 from kvrescue_local.runtime import Model, SamplingParams
@@ -77,24 +79,88 @@ def test_a_score_does_not_depend_on_the_candidates_beside_it_or_other_problems(h
     np.testing.assert_allclose(together, singles, atol=1e-6, rtol=0)
 
 
+def read_alone(judge: HelperJudge, problem: str, pieces: list[list[int]]) -> np.ndarray:
+    """The reference: each candidate's tokens decoded alone on the problem's prompt, in a context of its own."""
+    gen, ctx = judge.gen, judge.gen.ctx
+    gen.start(0, gen.model.tokenize(judge.prompt.format(problem=problem)))
+    gen.flush()
+    rows = []
+    with ctx.hidden_states():
+        for tokens in pieces:
+            ctx.fork(0, gen.scoring(0)[0])
+            rows.append(ctx.embedding(ctx.prefill(gen.scoring(0)[0], tokens)))
+            ctx.drop(gen.scoring(0)[0])
+    return judge.rewards(np.array(rows, np.float32))
+
+
+def test_a_round_read_where_it_was_sampled_scores_as_each_candidate_alone(helper_model, head_file):
+    """score_round reads the helper's candidates in their own sequences (one token each) and the base's in scoring
+    sequences, another problem's round in the same decodes: each reward is the one of the candidate decoded alone
+    (float rounding), and a base winner committed from where it was read leaves the helper as a step decoded anew."""
+    head = RewardHead.load(head_file)
+    judge = judge_on(helper_model, head, slots=2, n=3)
+    gen = judge.gen
+    for slot, problem in ((0, "another problem, first in the cache " * 3), (1, PROBLEM)):
+        gen.start(slot, helper_model.tokenize(judge.prompt.format(problem=problem)))
+    gen.flush()
+    own = gen.propose([Request(slot, (slot, 0, 1)) for slot in (0, 1)])
+    steps = [STEPS[0], STEPS[1], own[1][0].content]  # the last one the helper sampled too: read once, where it is
+    base = [Draft("base", i, -1, tokens=[int(t) for t in helper_model.tokenize(text, special=False)],
+                  text=bytearray(text.encode()), finished="step") for i, text in enumerate(steps)]
+    base[2].tokens = list(own[1][0].tokens)
+    rewards = judge.score_round({0: own[0], 1: [*base, *own[1]]}, lambda d: d.tokens)
+    before = judge.decoded_tokens
+    assert set(rewards[1]) == {d.content for d in [*base, *own[1]]}
+    held = [[t for t in d.tokens if not helper_model.is_eog(t)] or [helper_model.eos] for d in own[1]]
+    alone = read_alone(judge_on(helper_model, head), PROBLEM, [base[0].tokens, base[1].tokens, *held])
+    np.testing.assert_allclose([rewards[1][d.content] for d in [*base[:2], *own[1]]], alone, atol=1e-5, rtol=0)
+    assert np.ptp(alone) > 0.01, "the rewards are not all the same"
+
+    assert judge.commit_held(1, STEPS[0]) and not judge.commit_held(1, STEPS[1]), "one commit per round"
+    gen.flush()
+    assert judge.decoded_tokens == before and gen.ctx.pos_max(gen.committed(1)) + 1 == (
+        len(helper_model.tokenize(judge.prompt.format(problem=PROBLEM))) + len(base[0].tokens))
+    fresh = judge_on(helper_model, head)
+    fresh.gen.start(0, helper_model.tokenize(judge.prompt.format(problem=PROBLEM)))
+    fresh.gen.flush()
+    fresh.gen.commit_foreign(0, base[0].tokens)
+    fresh.gen.flush()
+    np.testing.assert_allclose(gen.ctx.logits(gen.rows[1]), fresh.gen.ctx.logits(fresh.gen.rows[0]), atol=1e-4)
+
+
 def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file):
-    """The helper context decodes the prompt, the candidates as it samples them, each committed step once (its own
-    winner's last token, or the base's whole step) and each scored candidate once: nothing else."""
+    """The helper context decodes the prompt, the candidates as it samples them, each scored candidate once (a
+    helper candidate's last token; a base candidate whole, in the tokens it is committed in) and of each committed
+    step only what is not there yet: a step read whole is committed from where it was read, its last token
+    decoded again for the next round's logits; a base step no one scored is decoded whole."""
     judge = helper_head(head_file, helper_model, "tiny")
-    engine = Rescue(config(n=3, **EXACT_RUN), base_model, helper_model, judge)
+    engine = Rescue(config(n=3, seed=4, **EXACT_RUN), base_model, helper_model, judge)
     trajectory = engine.solve(PROBLEM)
-    ctx, fmt = engine.sides["helper"].ctx, judge.format
-    assert trajectory.n_steps > 2 and any(s.score is not None for s in trajectory.steps)
+    ctx = engine.sides["helper"].ctx
+    sources = [s.source for s in trajectory.steps]
+    assert trajectory.n_steps > 4 and {"base", "helper"} <= set(sources[:-1]), sources
+    assert all(s.score is not None for s in trajectory.steps)
     prompt = len(helper_model.tokenize(engine.config.prompt.format(problem=PROBLEM)))
     sampled = sum(c.tokens - 1 for s in trajectory.steps for c in s.candidates if c.side == "helper")
-    committed = sum(1 if s.source == "helper" else winner(s).tokens for s in trajectory.steps[:-1])
-    scored = sum(len(fmt.step_tokens(helper_model, text)) for s in trajectory.steps
-                 for text in dict.fromkeys(c.text for c in s.candidates if c.score is not None))
+    scored = sum(read_tokens(s) for s in trajectory.steps)
+    committed = sum(1 if s.source == "helper" or s.score is not None else winner(s).tokens
+                    for s in trajectory.steps[:-1])
     assert engine.scorer.decoded_tokens == scored
     assert ctx.decoded_tokens == prompt + sampled + committed + scored
     assert engine.prm is None and set(engine.peak_kv_bytes()) == {"base", "helper"}, "no context of a PRM's own"
-    with pytest.raises(KVRescueError, match="one to score in; use --concurrency 1 to 127"):
-        Rescue(config(n=1, **EXACT_RUN), base_model, helper_model, judge, concurrency=128)
+    with pytest.raises(KVRescueError, match="to score the base's candidates in; use --concurrency 1 to 85"):
+        Rescue(config(n=1, **EXACT_RUN), base_model, helper_model, judge, concurrency=86)
+
+
+def read_tokens(step) -> int:
+    """Tokens the judge decodes to read a round's survivors: one per text the helper sampled, a base text whole
+    (the tiny pair shares a vocabulary, so in the tokens it was sampled in, its end of generation left out)."""
+    survivors = [c for c in step.candidates if c.finished != "killed"]
+    if step.score is None:
+        return 0
+    helper = {c.text for c in survivors if c.side == "helper"}
+    base = {c.text: c.tokens - (c.finished == "eos") for c in survivors if c.side == "base" and c.text not in helper}
+    return len(helper) + sum(max(n, 1) for n in base.values())
 
 
 def winner(step):

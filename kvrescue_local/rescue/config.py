@@ -116,6 +116,11 @@ class RescueConfig:
             return self.kv.context_cells(slots * (self.n + 1), self.n_batch)
         return slots * (self.full_context(prompt_tokens) - self.n_batch) + self.n_batch
 
+    def scoring_cells(self, slots: int) -> int:
+        """Cells the helper's context adds for `--prm helper` (judge.py): every problem's N base candidates, read
+        beside the helper's own; none when a round has nothing to choose between."""
+        return slots * self.n * self.max_step_tokens if self.candidates_per_round > 1 else 0
+
     def largest_concurrency(self) -> int:
         """Most problems at once that llama.cpp's sequences allow: N + 1 per problem on a model, and on the PRM one
         per problem beside a round's candidates; the last decode of a round starting holds one token per problem."""

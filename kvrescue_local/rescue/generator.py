@@ -84,8 +84,8 @@ class Generator:
                  max_step_tokens: int, n_batch: int = 512, flash_attn: str = DEFAULT_FLASH_ATTN,
                  type_k: str = "f16", type_v: str = "f16", n_threads: int = 0, slots: int = 1,
                  slot_cells: int | None = None, scores: bool = False) -> None:
-        """scores: the context also scores candidate steps (`--prm helper`, judge.py): one sequence after the slots'
-        is left free to score in."""
+        """scores: the context also scores candidate steps (`--prm helper`, judge.py): after the slots' sequences,
+        each slot has N more to read the other side's candidates in (`scoring`)."""
         self.side = side
         self.model = model
         self.n = n
@@ -93,7 +93,7 @@ class Generator:
         self.stride = n + 1
         self.sampling = sampling
         self.max_step_tokens = max_step_tokens
-        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=slots * self.stride + scores, n_batch=n_batch,
+        self.ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=slots * (self.stride + scores * n), n_batch=n_batch,
                                                 flash_attn=flash_attn, type_k=type_k, type_v=type_v, n_threads=n_threads))
         self.slot_cells = slot_cells or self.ctx.n_ctx
         self.budget = BudgetedSequences(self.ctx, kv) if kv else None
@@ -104,12 +104,18 @@ class Generator:
         self.feeds: dict[int, list[np.ndarray]] = {}  # slot -> tokens queued for its committed sequence
         self.rows: dict[int, int] = {}  # slot -> row of its logits in the last decode
         self.peak_used_cells = 0  # most cells the context held at the end of a round (every slot together)
+        self.read_ahead: set[int] = set()  # candidate sequences whose pending token a judge decoded (judge.py)
 
     def committed(self, slot: int) -> int:
         return slot * self.stride
 
     def sequences(self, slot: int) -> range:
         return range(self.committed(slot), self.committed(slot) + self.stride)
+
+    def scoring(self, slot: int) -> range:
+        """The slot's sequences to read candidates in (empty unless made with scores=True)."""
+        first = self.slots * self.stride + slot * self.n
+        return range(first, min(first + self.n, self.ctx.n_seq_max))
 
     # --- the committed sequence ------------------------------------------
     def fork(self, src: int, dst: int) -> None:
@@ -129,7 +135,7 @@ class Generator:
 
     def finish(self, slot: int) -> None:
         """Free the slot's cells and forget its counts (its problem is done)."""
-        for seq in self.sequences(slot):
+        for seq in (*self.sequences(slot), *self.scoring(slot)):
             self.drop(seq)
         self.feeds.pop(slot, None)
         self.rows.pop(slot, None)
@@ -274,15 +280,31 @@ class Generator:
             cand.finished = "max_step"
 
     def drop_candidates(self, slot: int) -> None:
-        for seq in self.sequences(slot)[1:]:
+        for seq in (*self.sequences(slot)[1:], *self.scoring(slot)):
             self.drop(seq)
+            self.read_ahead.discard(seq)
 
     def commit_own(self, slot: int, cand: Draft) -> None:
         """The winner is ours: its sequence becomes the committed one (no re-encoding)."""
+        if cand.seq in self.read_ahead:  # the pending token is queued again below, for the logits of the next round
+            self.drop_last(cand.seq)
         self.fork(cand.seq, self.committed(slot))
         self.drop_candidates(slot)
         if cand.pending is not None:
             self.feed(slot, [cand.pending])
+
+    def commit_held(self, slot: int, seq: int, last_token: int) -> None:
+        """The winner was decoded whole into the slot's scoring sequence `seq` (judge.py): it becomes the committed
+        one, its last token queued again for the logits that start the next round."""
+        self.drop_last(seq)
+        self.fork(seq, self.committed(slot))
+        self.drop_candidates(slot)
+        self.feed(slot, [last_token])
+
+    def drop_last(self, seq: int) -> None:
+        """Forget a sequence's last token (a context that never evicts: its positions are contiguous)."""
+        last = self.ctx.pos_max(seq)
+        self.ctx.remove(seq, last, last + 1)
 
     def commit_foreign(self, slot: int, tokens) -> None:
         """The winner came from the other model: queue its step."""

@@ -1,36 +1,35 @@
 """`--prm helper`: a reward head on the helper model's own context, with no PRM model or context of its own.
 
 The helper already holds every problem's prompt and committed steps with full context, so the head reads
-them where they are. A candidate step, the helper's or the base's, is scored in a spare sequence of the
-helper's context forked from the problem's committed sequence: its tokens (formats.PRMFormat.step_tokens,
-as the helper would hold the step once committed) are decoded alone, in llama_decode calls of their own,
-the hidden state at its last token goes to the head, and the sequence is dropped. Nothing committed is
-decoded again.
+them where they are, at the last token of each candidate step as the helper holds it (formats.PRMFormat,
+as_held):
+- a helper candidate is read in the sequence that sampled it: only its last token was never decoded, and
+  it is decoded now (an end-of-generation candidate's last token again), so a candidate costs one token;
+- a base candidate is decoded in one of its slot's scoring sequences, forked from the committed one, in the
+  tokens the helper would commit; if it wins, that sequence becomes the committed one (Generator.commit_held),
+  so the winning step is not decoded again;
+- every read of a round, all slots, goes into shared llama_decode calls.
+Nothing committed is decoded twice: a committed step's last token is, for the logits of the next round.
 
-Alone, a candidate's hidden state does not depend on which candidates share a decode: grouped (as the
-separate PRM decodes a round's candidates) that layout noise is as large as the head's margins between
-similar steps and flipped about one N = 4 pick in six (perf/prm_layout.py). The committed prefix still
-carries the layout it was written in; at Q4_K_M weights llama.cpp's 8-bit activations amplify that into
-picks flipped as often, which is why the coder helper runs at F16 (presets.coder_helper, docs/prm.md). It
-is also the state training reads: prmtrain/features.py scores every labelled step through
-`candidate_hidden` on the committed prefix of its round, so training and serving read the same states by
-the same code.
-
-The states of a helper candidate are not taken from the decode that sampled it: that decode is shared by
-the round's N candidates (its layout noise again), and its last token was never decoded.
+A candidate's hidden state then depends, by float rounding, on what shared its decodes (its round mates and
+other problems'): at F16 weights that moves the state by about 6e-4 of its norm, and perf/prm_layout.py
+measures how often it flips a pick against reading each candidate alone (`candidate_hidden`, the layout the
+head is trained in). At Q4_K_M weights llama.cpp's 8-bit activations amplify it into picks flipped one
+round in five, which is why the coder helper runs at F16 (presets.coder_helper, docs/prm.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from ..errors import KVRescueError
 from ..prm import PRMFormat, RewardHead, prm_format
 from ..runtime import Model
-from .generator import Generator
+from .generator import Draft, Generator
 
 
 @dataclass(frozen=True)
@@ -53,12 +52,13 @@ class HelperHead:
 
 
 class HelperJudge:
-    """Scores candidate steps of the helper generator's problems in its spare sequence (Generator(scores=True))."""
+    """Scores candidate steps of the helper generator's problems in its own context (a Generator made with
+    scores=True): a round's survivors where they are (`score_round`), or any steps each alone (`score_many`)."""
 
     def __init__(self, gen: Generator, fmt: PRMFormat, head: RewardHead | None = None, prompt: str | None = None) -> None:
         """head None: hidden states only (training one). prompt: the template `trajectory_hidden` starts a problem
         with (default: the head's, else the format's; the loop prompts the helper itself)."""
-        if gen.ctx.n_seq_max <= gen.slots * gen.stride:
+        if not gen.scoring(0):
             raise KVRescueError("the helper's context was made without room to score: create its Generator with "
                                 "scores=True")
         if not fmt.as_held:
@@ -69,26 +69,110 @@ class HelperJudge:
         self.head = head
         self.model = gen.model
         self.prompt = prompt or (head and head.prompt) or fmt.prompt
-        self.seq = gen.slots * gen.stride  # the spare sequence
         self.decoded_tokens = 0  # every token this judge decoded (candidates only)
         self.llama_seconds = 0.0  # its part of the helper context's llama.cpp time
+        self.held: dict[int, dict[str, tuple[int, int]]] = {}  # slot -> base step text -> (scoring sequence, last token)
+
+    def score_round(self, survivors: dict[int, list[Draft]],
+                    as_committed: Callable[[Draft], list[int]]) -> dict[int, dict[str, float]]:
+        """Rewards of each slot's surviving candidates of this round, by text (a text read once), all slots in shared
+        decodes. `as_committed(draft)`: the tokens the helper would commit a base draft in. Keeps each base draft's
+        scoring sequence for `commit_held` until the slot commits."""
+        gen, ctx = self.gen, self.gen.ctx
+        before = ctx.llama_seconds
+        reads: list[tuple[int, str, int, list[int], int]] = []  # slot, text, sequence, tokens, first position
+        for slot, drafts in survivors.items():
+            self.held[slot] = {}
+            spare = iter(gen.scoring(slot))
+            texts: set[str] = set()
+            for d in sorted(drafts, key=lambda d: d.side != gen.side):  # a text the helper sampled is read where it is
+                if d.content in texts:
+                    continue
+                texts.add(d.content)
+                if d.side == gen.side:
+                    reads.append((slot, d.content, d.seq, *self.last_token(d)))
+                else:
+                    tokens = as_committed(d) or [gen.model.eos]  # an empty step is read at the end of generation
+                    seq = next(spare)
+                    gen.fork(gen.committed(slot), seq)
+                    self.held[slot][d.content] = (seq, tokens[-1])
+                    reads.append((slot, d.content, seq, tokens, ctx.pos_max(seq) + 1))
+        rows = self.decode_reads(reads)
+        gen.peak_used_cells = max(gen.peak_used_cells, ctx.used_cells(range(ctx.n_seq_max)))
+        self.llama_seconds += ctx.llama_seconds - before
+        rewards = self.rewards(rows)
+        out: dict[int, dict[str, float]] = {slot: {} for slot in survivors}
+        for (slot, text, *_), reward in zip(reads, rewards):
+            out[slot][text] = float(reward)
+        return out
+
+    def last_token(self, d: Draft) -> tuple[list[int], int]:
+        """(tokens, position) that give a helper draft's state at its last token as held: its pending token after
+        what it decoded; an end-of-generation draft's last text token again (its cell rewritten), or the
+        end-of-generation token itself for an empty step."""
+        ctx = self.gen.ctx
+        if d.pending is not None:
+            self.gen.read_ahead.add(d.seq)
+            return [d.pending], ctx.pos_max(d.seq) + 1
+        if len(d.tokens) > 1:  # [..., last, eos]: last was decoded when eos was sampled
+            self.gen.drop_last(d.seq)
+            return [d.tokens[-2]], ctx.pos_max(d.seq) + 1
+        return [self.gen.model.eos], ctx.pos_max(d.seq) + 1
+
+    def decode_reads(self, reads: list[tuple[int, str, int, list[int], int]]) -> np.ndarray:
+        """Decode every read in shared llama_decode calls of at most n_batch tokens (a read longer than that is
+        split); the hidden state at each read's last token [len(reads), n_embd]."""
+        ctx = self.gen.ctx
+        rows: list[np.ndarray] = []
+        tokens, positions, seqs, outputs = [], [], [], []
+
+        def decode() -> None:
+            if tokens:
+                ctx.decode(np.array(tokens, np.int32), np.array(positions, np.int32), np.array(seqs, np.int32),
+                           np.array(outputs, np.int8))
+                rows.extend(ctx.embedding(r) for r in np.flatnonzero(outputs))
+                self.decoded_tokens += len(tokens)
+                for part in (tokens, positions, seqs, outputs):
+                    part.clear()
+
+        with ctx.hidden_states():
+            for _, _, seq, piece, first in reads:
+                for i, token in enumerate(piece):
+                    if len(tokens) == ctx.batch.capacity:
+                        decode()
+                    tokens.append(int(token))
+                    positions.append(first + i)
+                    seqs.append(seq)
+                    outputs.append(int(i == len(piece) - 1))
+            decode()
+        return np.array(rows, np.float32).reshape(len(rows), ctx.n_embd)
+
+    def commit_held(self, slot: int, text: str) -> bool:
+        """Commit the slot's base winner from the scoring sequence it was read in; False if it was not read (a
+        round with one survivor, or a text the helper sampled too)."""
+        held = self.held.pop(slot, {}).get(text)
+        if held is None:
+            return False
+        self.gen.commit_held(slot, *held)
+        return True
 
     def candidate_hidden(self, slot: int, steps: list[str]) -> np.ndarray:
         """The helper's final hidden state at the last token of each candidate step, each decoded alone on the
-        slot's committed trajectory [len(steps), n_embd]: what `score_many` feeds the head."""
+        slot's committed trajectory [len(steps), n_embd]: what a head is trained on, the reference the layout of
+        `score_round` is measured against (perf/prm_layout.py)."""
         ctx = self.gen.ctx
         before = ctx.llama_seconds
-        committed = self.gen.committed(slot)
+        committed, seq = self.gen.committed(slot), self.gen.scoring(slot)[0]
         pieces = [self.format.step_tokens(self.gen.model, s) for s in steps]
         if pieces:
-            held = ctx.used_cells(range(self.seq))
+            held = ctx.used_cells(range(ctx.n_seq_max))
             self.gen.peak_used_cells = max(self.gen.peak_used_cells, held + max(len(p) for p in pieces))
         rows = []
         with ctx.hidden_states():
             for tokens in pieces:
-                ctx.fork(committed, self.seq)
-                rows.append(ctx.embedding(ctx.prefill(self.seq, tokens)))
-                ctx.drop(self.seq)
+                ctx.fork(committed, seq)
+                rows.append(ctx.embedding(ctx.prefill(seq, tokens)))
+                ctx.drop(seq)
                 self.decoded_tokens += len(tokens)
         self.llama_seconds += ctx.llama_seconds - before
         return np.array(rows, np.float32).reshape(len(rows), ctx.n_embd)

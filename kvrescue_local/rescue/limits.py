@@ -48,15 +48,15 @@ def padded(cells: int) -> int:
 def kv_memory(config: RescueConfig, slots: int, base: Model | None, helper: Model | None, prm: Model | None,
               prm_cells: int, prompt_tokens: int, helper_scores: bool = False) -> int:
     """Bytes the KV caches of `slots` problems at once take, allocated up front: the base's and the helper's
-    contexts (config.context_cells; with helper_scores, `--prm helper`, the helper's holds one candidate step
-    more, the one it scores), the base's attention-score accumulators (one float per cell, sequence and layer)
+    contexts (config.context_cells; with helper_scores, `--prm helper`, the helper's also holds every problem's
+    base candidates, config.scoring_cells), the base's attention-score accumulators (one float per cell, sequence and layer)
     when its policy reads attention, and the PRM's context (`prm_cells` per problem, one batch shared; PRM
     caches are f16)."""
     total = 0
     for side, model, used in (("base", base, config.uses_base), ("helper", helper, config.uses_helper)):
         if model is None or not used:
             continue
-        scoring = config.max_step_tokens if side == "helper" and helper_scores and config.candidates_per_round > 1 else 0
+        scoring = config.scoring_cells(slots) if side == "helper" and helper_scores else 0
         cells = padded(config.context_cells(side, slots, prompt_tokens) + scoring)
         total += cells * kv_bytes_per_cell(model, *config.cache_types(side))
         if side == "base" and config.evicts and make_policy(config.kv.policy).reads_attention:

@@ -50,13 +50,13 @@ def check_compatible(base: Model, helper: Model) -> bool:
 
 
 def check_helper_judge(config: RescueConfig, judge: HelperHead, concurrency: int) -> None:
-    """The head reads the helper's context: the mode must have a helper, prompting it as in training, with one
-    llama.cpp sequence to spare for the candidate it scores."""
-    most = (LLAMA_MAX_SEQ - 1) // (config.n + 1)
+    """The head reads the helper's context: the mode must have a helper, prompting it as in training, with N
+    llama.cpp sequences per problem to spare for the base's candidates."""
+    most = LLAMA_MAX_SEQ // (2 * config.n + 1)
     if concurrency > most:
         raise KVRescueError(f"concurrency {concurrency} does not fit with --prm helper: the helper's context holds "
-                            f"{config.n + 1} of llama.cpp's {LLAMA_MAX_SEQ} sequences per problem and one to score in; "
-                            f"use --concurrency 1 to {most}")
+                            f"{2 * config.n + 1} of llama.cpp's {LLAMA_MAX_SEQ} sequences per problem, N + 1 and N to "
+                            f"score the base's candidates in; use --concurrency 1 to {most}")
     if not config.uses_helper:
         raise KVRescueError(f"--prm helper scores in the helper's context, and mode {config.mode} has no helper: use "
                             "mode kvrescue or helper, or pass --prm with a PRM model of its own")
@@ -140,8 +140,8 @@ class Rescue:
                             "helper": helper if config.uses_helper else None}.items():
             if model is not None:
                 kv = config.kv if side == "base" and config.evicts else None
-                scores = in_helper and side == "helper"  # room for the one candidate scored at a time
-                n_ctx = config.context_cells(side, concurrency, prompt_tokens_max) + scores * config.max_step_tokens
+                scores = in_helper and side == "helper"  # room for the base's candidates, read beside the helper's
+                n_ctx = config.context_cells(side, concurrency, prompt_tokens_max) + scores * config.scoring_cells(concurrency)
                 type_k, type_v = config.cache_types(side)
                 self.sides[side] = Generator(side, model, config.n, n_ctx, kv, type_k=type_k, type_v=type_v,
                                              scores=scores, **common)
@@ -235,10 +235,16 @@ class Rescue:
         if not self.scorer or not flying:
             return
         t0 = time.perf_counter()
-        texts = {s.slot: list(dict.fromkeys(c.content for c in s.drafts if not c.killed)) for s in flying}
-        rewards = self.scorer.score_many(texts)
+        if isinstance(self.scorer, HelperJudge):
+            helper = self.sides["helper"]
+            by_slot = self.scorer.score_round({s.slot: [c for c in s.drafts if not c.killed] for s in flying},
+                                              lambda draft: self.foreign_tokens(helper, draft))
+        else:
+            texts = {s.slot: list(dict.fromkeys(c.content for c in s.drafts if not c.killed)) for s in flying}
+            rewards = self.scorer.score_many(texts)
+            by_slot = {slot: dict(zip(texts[slot], rewards[slot])) for slot in texts}
         for s in flying:
-            by_text = dict(zip(texts[s.slot], rewards[s.slot]))
+            by_text = by_slot[s.slot]
             for cand in (c for c in s.drafts if not c.killed):
                 cand.score = float(by_text[cand.content])
         self.prm_seconds += time.perf_counter() - t0
@@ -286,6 +292,8 @@ class Rescue:
             gen.finish(s.slot)
         if self.prm:
             self.prm.finish(s.slot)
+        if isinstance(self.scorer, HelperJudge):  # its scoring sequences went with the slot
+            self.scorer.held.pop(s.slot, None)
         if s.error:
             traj.stop = "error"
         seconds = {k: round(v, 4) for k, v in s.seconds.items() if k != "total"}
@@ -296,13 +304,20 @@ class Rescue:
 
     def commit(self, slot: int, winner: Draft) -> None:
         """Every side continues from the winner: its own side keeps the sequence, the others encode the text."""
+        judge = self.scorer if isinstance(self.scorer, HelperJudge) else None
         for name, gen in self.sides.items():
             if name == winner.side:
                 gen.commit_own(slot, winner)
-            elif self.same_vocab:
-                gen.commit_foreign(slot, [t for t in winner.tokens if not gen.model.is_eog(t)])
-            else:
-                gen.commit_foreign(slot, gen.model.tokenize(winner.content, special=False))
+            elif not (judge and judge.gen is gen and judge.commit_held(slot, winner.content)):
+                gen.commit_foreign(slot, self.foreign_tokens(gen, winner))
+        if judge:
+            judge.held.pop(slot, None)
+
+    def foreign_tokens(self, gen: Generator, draft: Draft) -> list[int]:
+        """The tokens `gen` commits another side's step in: as sampled when the vocabularies are the same."""
+        if self.same_vocab:
+            return [t for t in draft.tokens if not gen.model.is_eog(t)]
+        return gen.model.tokenize(draft.content, special=False).tolist()
 
     @property
     def judged_seconds(self) -> float:
@@ -311,7 +326,7 @@ class Rescue:
 
     def peak_kv_bytes(self) -> dict[str, int]:
         """The most KV bytes each context held at the end of a round so far (base, helper, PRM; with `--prm helper`
-        the helper's includes the candidate it scores)."""
+        the helper's includes the base candidates it scores)."""
         out = {name: gen.peak_used_cells * gen.ctx.kv_bytes_per_cell for name, gen in self.sides.items()}
         if self.prm:
             out["prm"] = self.prm.peak_cells * kv_bytes_per_cell(self.prm.model, self.prm.params.kv_type, self.prm.params.kv_type)
