@@ -120,32 +120,27 @@ class HelperJudge:
         return [self.gen.model.eos], ctx.pos_max(d.seq) + 1
 
     def decode_reads(self, reads: list[tuple[int, str, int, list[int], int]]) -> np.ndarray:
-        """Decode every read in shared llama_decode calls of at most n_batch tokens (a read longer than that is
-        split); the hidden state at each read's last token [len(reads), n_embd]."""
+        """Decode every read in shared llama_decode calls of at most n_batch tokens: all but each read's last token
+        without outputs, then the last tokens with hidden states on (with them on llama.cpp outputs every token
+        of a batch, logits included); the hidden state at each read's last token [len(reads), n_embd]."""
         ctx = self.gen.ctx
-        rows: list[np.ndarray] = []
-        tokens, positions, seqs, outputs = [], [], [], []
-
-        def decode() -> None:
-            if tokens:
-                ctx.decode(np.array(tokens, np.int32), np.array(positions, np.int32), np.array(seqs, np.int32),
-                           np.array(outputs, np.int8))
-                rows.extend(ctx.embedding(r) for r in np.flatnonzero(outputs))
-                self.decoded_tokens += len(tokens)
-                for part in (tokens, positions, seqs, outputs):
-                    part.clear()
-
+        bodies = [(seq, first + i, token) for _, _, seq, piece, first in reads for i, token in enumerate(piece[:-1])]
+        lasts = [(seq, first + len(piece) - 1, piece[-1]) for _, _, seq, piece, first in reads]
+        self.decode_rows(bodies, outputs=False)
         with ctx.hidden_states():
-            for _, _, seq, piece, first in reads:
-                for i, token in enumerate(piece):
-                    if len(tokens) == ctx.batch.capacity:
-                        decode()
-                    tokens.append(int(token))
-                    positions.append(first + i)
-                    seqs.append(seq)
-                    outputs.append(int(i == len(piece) - 1))
-            decode()
+            rows = self.decode_rows(lasts, outputs=True)
+        self.decoded_tokens += len(bodies) + len(lasts)
         return np.array(rows, np.float32).reshape(len(rows), ctx.n_embd)
+
+    def decode_rows(self, items: list[tuple[int, int, int]], outputs: bool) -> list[np.ndarray]:
+        """(sequence, position, token) items in decodes of at most n_batch; with outputs, each one's hidden state."""
+        ctx, rows = self.gen.ctx, []
+        for at in range(0, len(items), ctx.batch.capacity):
+            seqs, positions, tokens = (np.array(column, np.int32) for column in zip(*items[at:at + ctx.batch.capacity]))
+            ctx.decode(tokens, positions, seqs, np.full(len(tokens), int(outputs), np.int8))
+            if outputs:
+                rows += [ctx.embedding(r) for r in range(len(tokens))]
+        return rows
 
     def commit_held(self, slot: int, text: str) -> bool:
         """Commit the slot's base winner from the scoring sequence it was read in; False if it was not read (a
