@@ -23,6 +23,7 @@ from kvrescue_local.prmtrain.pipeline import (Rollouts, evaluate, features, labe
                                               run_rollouts, train)
 from kvrescue_local.rescue import Candidate, Rescue, RescueConfig, Trajectory
 from kvrescue_local.rescue.judge import HelperJudge
+from kvrescue_local.rescue.generator import Draft
 from kvrescue_local.rescue.loop import choose, problem_key
 
 from test_rescue import PROBLEM, config, without_timings
@@ -199,6 +200,35 @@ def test_random_choice_needs_no_prm_is_reproducible_and_recorded(base_model, hel
     assert {r["config"]["choice"] for r in rows} == {"prm", "random"}
     report = CliRunner().invoke(main, ["report", str(results)])
     assert report.exit_code == 0 and "kvrescue/random" in report.output
+
+
+def test_a_pick_margin_takes_the_first_survivor_near_the_best_and_is_recorded_where_a_prm_picks(
+        base_path, helper_path, tiny_prm_path, tmp_path):
+    drafts = [Draft("base", i, -1, score=s) for i, s in enumerate([0.500, 0.512, 0.509, 0.2])]
+    assert choose(drafts, config(n=2), 0, 0) is drafts[1], "margin 0: the favourite"
+    assert choose(drafts, config(n=2, pick_margin=0.005), 0, 0) is drafts[1]
+    assert choose(drafts, config(n=2, pick_margin=0.02), 0, 0) is drafts[0], "the first within 0.02 of the best"
+    with pytest.raises(KVRescueError, match="--pick-margin must be in"):
+        RescueConfig(pick_margin=1.5)
+    results = tmp_path / "margin.jsonl"
+    common = ["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--modes", "kvrescue", "--budgets", "32",
+              "--buffer", "16", "--max-tokens", "40", "--max-step-tokens", "16", "--base", str(base_path),
+              "--helper", str(helper_path), "--prm", str(tiny_prm_path), "--results", str(results)]
+    assert CliRunner().invoke(main, [*common, "--ns", "2", "--pick-margin", "0.01", "--choice", "prm,random"]).exit_code == 0
+    settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
+    assert settings["kvrescue-b32-n2-rkv"]["pick_margin"] == 0.01
+    assert "pick_margin" not in settings["kvrescue-b32-n2-rkv-random"], "no PRM picks: the margin is no setting"
+    # a row from before the margin was a setting was picked by the favourite, and reads so
+    legacy = tmp_path / "legacy.jsonl"
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    for row in rows:
+        row["setup"]["settings"].pop("pick_margin", None)
+        row["config"].pop("pick_margin", None)
+    legacy.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert {r["config_key"]: r["setup"]["settings"].get("pick_margin") for r in read_rows(legacy)} == {
+        "kvrescue-b32-n2-rkv": 0.0, "kvrescue-b32-n2-rkv-random": None}
+    refused = CliRunner().invoke(main, [*common[:-1], str(legacy), "--ns", "2", "--pick-margin", "0.01", "--resume"])
+    assert refused.exit_code != 0 and "pick_margin 0.0 vs 0.01" in refused.output, refused.output
 
 
 def test_prm_train_command_end_to_end_on_the_toy_preset(toy_rollouts, tmp_path, monkeypatch):

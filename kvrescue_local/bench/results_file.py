@@ -137,8 +137,12 @@ def parse_row(raw: bytes) -> dict | None:
 
 def upgrade(row: dict) -> dict:
     """A row as this version writes it: rows from before KV cache types were sweep axes recorded one `kv_type` for
-    both sides among their settings, which becomes their axes' cache labels."""
+    both sides among their settings, which becomes their axes' cache labels; rows from before the pick's margin
+    was a setting picked the PRM's favourite (margin 0)."""
     config, settings_ = row.get("config"), (row.get("setup") or {}).get("settings") or {}
+    if isinstance(config, dict) and settings_ and picked_by_prm(config):
+        settings_.setdefault("pick_margin", 0.0)
+        config.setdefault("pick_margin", 0.0)
     old = settings_.pop("kv_type", None)
     if isinstance(config, dict):
         old = config.pop("kv_type", old)
@@ -146,6 +150,12 @@ def upgrade(row: dict) -> dict:
             config.setdefault("kv_cache", old)
             config.setdefault("helper_kv_cache", old)
     return row
+
+
+def picked_by_prm(config: dict) -> bool:
+    """Whether a row's configuration (its axes) had a PRM choose between candidates."""
+    sides = 2 if config.get("mode") == "kvrescue" else 1
+    return config.get("choice", "prm") == "prm" and sides * int(config.get("n", 1)) > 1
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -233,9 +243,11 @@ def model_fingerprint(path: str | Path, head: str | Path | None = None) -> dict:
 
 
 def settings(config: RescueConfig) -> dict:
-    """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes."""
+    """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes (the
+    pick's margin only where a PRM picks)."""
     flat = {**dataclasses.asdict(config.kv), **dataclasses.asdict(config.detector), **dataclasses.asdict(config)}
-    return {k: v for k, v in sorted(flat.items()) if k not in NOT_SETTINGS}
+    return {k: v for k, v in sorted(flat.items())
+            if k not in NOT_SETTINGS and (k != "pick_margin" or config.needs_prm)}
 
 
 def setup(config: RescueConfig, model_files: dict[str, Path | None], prm_head: Path | None = None) -> dict:

@@ -69,6 +69,9 @@ SEARCH_OPTIONS = [
     click.option("--max-tokens", type=POSITIVE, help=f"trajectory length cap {preset_default(DEFAULTS.max_tokens)}"),
     click.option("--max-steps", type=POSITIVE, help=preset_default(DEFAULTS.max_steps)),
     click.option("--max-step-tokens", type=POSITIVE, help=preset_default(DEFAULTS.max_step_tokens)),
+    click.option("--pick-margin", type=Finite(0, 1, high_open=True),
+                 help="the PRM's pick: the first survivor (the base's candidates, then the helper's) within this of the "
+                      f"best score {preset_default(DEFAULTS.pick_margin)}"),
     click.option("--tau-entropy", type=Finite(0),
                  help="detector: mean entropy (nats) above which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_entropy)}"),

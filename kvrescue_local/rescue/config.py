@@ -54,6 +54,10 @@ class RescueConfig:
     # the round's winner: the PRM's favourite, or "random": a survivor drawn by a seed of (seed, problem, round),
     # the baseline that says what the PRM's choice is worth
     choice: str = "prm"
+    # with choice "prm": the winner is the first survivor, in the round's order (the base's candidates, then the
+    # helper's), whose score is within pick_margin of the best; 0: the best. A margin above the layout noise makes
+    # the pick of near-equal steps independent of what shared their decodes (docs/prm.md)
+    pick_margin: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -65,6 +69,8 @@ class RescueConfig:
                                 f"once); the largest N in {self.mode} mode is {(LLAMA_MAX_SEQ - 1) // self.mode.sides}")
         if self.max_step_tokens < 1 or self.max_tokens < 1 or self.max_steps < 1:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
+        if not 0 <= self.pick_margin < 1:
+            raise KVRescueError(f"--pick-margin must be in [0, 1), a difference of rewards (got {self.pick_margin})")
         if self.choice not in CHOICES:
             raise KVRescueError(f"unknown choice {self.choice!r}: use one of {', '.join(CHOICES)}")
         if "{problem}" not in self.prompt:

@@ -77,13 +77,17 @@ def problem_key(problem: str) -> int:
 
 
 def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: int, seed: int | None = None) -> Draft:
-    """The round's winner: the PRM's favourite (a lone survivor is unscored), or with choice "random" one drawn
-    by a seed of the run's seed (`seed`, else the config's), the problem's key and the round (reproducible, and
-    not the same draw on every problem)."""
+    """The round's winner: the PRM's favourite, or the first survivor within config.pick_margin of it (a lone
+    survivor is unscored), or with choice "random" one drawn by a seed of the run's seed (`seed`, else the
+    config's), the problem's key and the round (reproducible, and not the same draw on every problem)."""
     if config.choice == "random":
         rng = np.random.default_rng([config.seed if seed is None else seed, key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
-    return max(survivors, key=lambda c: c.score if c.score is not None else 0.0)
+    scores = [c.score if c.score is not None else 0.0 for c in survivors]
+    best = max(scores)
+    if config.pick_margin == 0:
+        return survivors[scores.index(best)]
+    return next(c for c, score in zip(survivors, scores) if score >= best - config.pick_margin)
 
 
 @dataclass
