@@ -36,6 +36,7 @@ from ..rescue import RescueConfig
 
 ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
+SOME_CONFIGURATIONS = ("pick_margin",)  # settings only configurations they matter to record: compared where both do
 NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "prompt", "n_gpu_layers", "n_threads", "flash_attn", "n_batch",
                 "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v", "helper_cache_type_k",
                 "helper_cache_type_v")
@@ -284,7 +285,8 @@ def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[str]:
         out.append(f"prompt template {a['prompt_sha256'][:8]} vs {b['prompt_sha256'][:8]}")
     ours, theirs = a["settings"], b["settings"]
     out += [f"{k} {ours.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(ours) | set(theirs))
-            if k not in ignore and ours.get(k) != theirs.get(k)]
+            if k not in ignore and ours.get(k) != theirs.get(k)
+            and not (k in SOME_CONFIGURATIONS and (k not in ours or k not in theirs))]
     return out
 
 

@@ -165,7 +165,9 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         # what each base of the sweep runs with: every model its configurations use
         ours: dict[str, dict] = {}
         for axis, made in setups.items():
-            ours.setdefault(axis.weights, {**made, "models": {}})["models"].update(made["models"])
+            merged = ours.setdefault(axis.weights, {**made, "models": {}, "settings": {}})
+            merged["models"].update(made["models"])
+            merged["settings"].update(made["settings"])  # a setting some configurations record (pick_margin)
         for theirs in distinct_setups(rows, results):
             check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results,
                              "resume with the same models and options or write to a new results file")
