@@ -218,6 +218,8 @@ def test_a_pick_margin_takes_the_first_survivor_near_the_best_and_is_recorded_wh
     settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
     assert settings["kvrescue-b32-n2-rkv"]["pick_margin"] == 0.01
     assert "pick_margin" not in settings["kvrescue-b32-n2-rkv-random"], "no PRM picks: the margin is no setting"
+    report = CliRunner().invoke(main, ["report", str(results)])
+    assert "PRM vs random choice, kvrescue b32 n2 rkv, on the 1 problems" in report.output, report.output
     # a row from before the margin was a setting was picked by the favourite, and reads so
     legacy = tmp_path / "legacy.jsonl"
     rows = [json.loads(line) for line in results.read_text().splitlines()]

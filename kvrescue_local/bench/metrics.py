@@ -39,7 +39,7 @@ import numpy as np
 
 from ..rescue import MODES, Mode, Trajectory
 from ..rescue.record import LENGTH_CAPS
-from .results_file import AXIS_RECORDS, differences
+from .results_file import AXIS_RECORDS, SOME_CONFIGURATIONS, differences
 
 DEGENERATE_STEPS = 256
 DEFAULT_CACHE = "f16"  # the KV cache of rows that record none (bench.run.DEFAULT_CACHE)
@@ -130,9 +130,13 @@ def setup_label(row: dict) -> str:
 
 
 def settings_label(row: dict) -> str:
-    """setup_label without the models: what rows of different models (base, helper) must share to be compared."""
+    """setup_label without the models and the settings only some configurations record (the pick's margin, where
+    a PRM picks): what rows of different models (base, helper) or choices must share to be compared."""
     setup = row.get("setup")
-    return UNRECORDED if setup is None else setup_label({"setup": {**setup, "models": {}}})
+    if setup is None:
+        return UNRECORDED
+    shared = {k: v for k, v in setup.get("settings", {}).items() if k not in SOME_CONFIGURATIONS}
+    return setup_label({"setup": {**setup, "models": {}, "settings": shared}})
 
 
 def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
