@@ -98,23 +98,29 @@ def test_a_round_read_where_it_was_sampled_scores_as_each_candidate_alone(helper
     sequences, another problem's round in the same decodes: each reward is the one of the candidate decoded alone
     (float rounding), and a base winner committed from where it was read leaves the helper as a step decoded anew."""
     head = RewardHead.load(head_file)
-    judge = judge_on(helper_model, head, slots=2, n=3)
+    judge = judge_on(helper_model, head, slots=2, n=4)
     gen = judge.gen
     for slot, problem in ((0, "another problem, first in the cache " * 3), (1, PROBLEM)):
         gen.start(slot, helper_model.tokenize(judge.prompt.format(problem=problem)))
     gen.flush()
     own = gen.propose([Request(slot, (slot, 0, 1)) for slot in (0, 1)])
-    steps = [STEPS[0], STEPS[1], own[1][0].content]  # the last one the helper sampled too: read once, where it is
+    # the second begins as the first does (cells shared), the third is the first's beginning (decoded on its own),
+    # the last one the helper sampled too: read once, where it is
+    steps = [STEPS[0], "a is 71.\n\n", "a is 17.", STEPS[1], own[1][0].content]
     base = [Draft("base", i, -1, tokens=[int(t) for t in helper_model.tokenize(text, special=False)],
                   text=bytearray(text.encode()), finished="step") for i, text in enumerate(steps)]
-    base[2].tokens = list(own[1][0].tokens)
+    base[-1].tokens = list(own[1][0].tokens)
+    assert base[0].tokens[:len(base[2].tokens)] == base[2].tokens and base[0].tokens[:5] == base[1].tokens[:5]
     rewards = judge.score_round({0: own[0], 1: [*base, *own[1]]}, lambda d: d.tokens)
     before = judge.decoded_tokens
     assert set(rewards[1]) == {d.content for d in [*base, *own[1]]}
     held = [[t for t in d.tokens if not helper_model.is_eog(t)] or [helper_model.eos] for d in own[1]]
-    alone = read_alone(judge_on(helper_model, head), PROBLEM, [base[0].tokens, base[1].tokens, *held])
-    np.testing.assert_allclose([rewards[1][d.content] for d in [*base[:2], *own[1]]], alone, atol=1e-5, rtol=0)
+    alone = read_alone(judge_on(helper_model, head), PROBLEM, [*(d.tokens for d in base[:-1]), *held])
+    np.testing.assert_allclose([rewards[1][d.content] for d in [*base[:-1], *own[1]]], alone, atol=1e-5, rtol=0)
     assert np.ptp(alone) > 0.01, "the rewards are not all the same"
+    common = next(i for i, (a, b) in enumerate(zip(base[0].tokens, base[1].tokens)) if a != b)
+    own_texts = len({d.content for d in own[0]}) + len({d.content for d in own[1]})  # one token each
+    assert before == own_texts + sum(len(d.tokens) for d in base[:-1]) - common, "a common beginning decoded once"
 
     assert judge.commit_held(1, STEPS[0]) and not judge.commit_held(1, STEPS[1]), "one commit per round"
     gen.flush()
@@ -130,11 +136,19 @@ def test_a_round_read_where_it_was_sampled_scores_as_each_candidate_alone(helper
 
 def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file):
     """The helper context decodes the prompt, the candidates as it samples them, each scored candidate once (a
-    helper candidate's last token; a base candidate whole, in the tokens it is committed in) and of each committed
-    step only what is not there yet: a step read whole is committed from where it was read, its last token
-    decoded again for the next round's logits; a base step no one scored is decoded whole."""
+    helper candidate's last token; a base candidate in the tokens it is committed in, what several begin with in
+    common once) and of each committed step only what is not there yet: a step read whole is committed from
+    where it was read, its last token decoded again for the next round's logits; a base step no one scored is
+    decoded whole."""
     judge = helper_head(head_file, helper_model, "tiny")
     engine = Rescue(config(n=3, seed=4, **EXACT_RUN), base_model, helper_model, judge)
+    costs, score_round = [], engine.scorer.score_round
+
+    def counted(survivors, as_committed):
+        costs.append(read_cost(survivors, as_committed, "helper", helper_model.eos))
+        return score_round(survivors, as_committed)
+
+    engine.scorer.score_round = counted
     trajectory = engine.solve(PROBLEM)
     ctx = engine.sides["helper"].ctx
     sources = [s.source for s in trajectory.steps]
@@ -142,7 +156,8 @@ def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file)
     assert all(s.score is not None for s in trajectory.steps)
     prompt = len(helper_model.tokenize(engine.config.prompt.format(problem=PROBLEM)))
     sampled = sum(c.tokens - 1 for s in trajectory.steps for c in s.candidates if c.side == "helper")
-    scored = sum(read_tokens(s) for s in trajectory.steps)
+    scored = sum(costs)
+    assert len(costs) == sum(s.score is not None for s in trajectory.steps)
     committed = sum(1 if s.source == "helper" or s.score is not None else winner(s).tokens
                     for s in trajectory.steps[:-1])
     assert engine.scorer.decoded_tokens == scored
@@ -152,15 +167,18 @@ def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file)
         Rescue(config(n=1, **EXACT_RUN), base_model, helper_model, judge, concurrency=86)
 
 
-def read_tokens(step) -> int:
-    """Tokens the judge decodes to read a round's survivors: one per text the helper sampled, a base text whole
-    (the tiny pair shares a vocabulary, so in the tokens it was sampled in, its end of generation left out)."""
-    survivors = [c for c in step.candidates if c.finished != "killed"]
-    if step.score is None:
-        return 0
-    helper = {c.text for c in survivors if c.side == "helper"}
-    base = {c.text: c.tokens - (c.finished == "eos") for c in survivors if c.side == "base" and c.text not in helper}
-    return len(helper) + sum(max(n, 1) for n in base.values())
+def read_cost(survivors, as_committed, side: str, eos: int) -> int:
+    """Tokens the judge decodes to read a round's survivors: one per text the helper sampled; the base's other
+    texts in the tokens they are committed in, the tokens several begin with in common once, but whole a text
+    that another one begins with."""
+    total = 0
+    for drafts in survivors.values():
+        own = {d.content for d in drafts if d.side == side}
+        pieces = {tuple(as_committed(d) or [eos]) for d in drafts if d.side != side and d.content not in own}
+        begun = {p for p in pieces if any(len(q) > len(p) and q[:len(p)] == p for q in pieces)}
+        prefixes = {p[:k] for p in pieces - begun for k in range(1, len(p) + 1)}
+        total += len(own) + len(prefixes) + sum(len(p) for p in begun)
+    return total
 
 
 def winner(step):

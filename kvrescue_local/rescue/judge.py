@@ -8,7 +8,8 @@ as_held):
 - a base candidate is decoded in one of its slot's scoring sequences, forked from the committed one, in the
   tokens the helper would commit; if it wins, that sequence becomes the committed one (Generator.commit_held),
   so the winning step is not decoded again;
-- every read of a round, all slots, goes into shared llama_decode calls.
+- every read of a round, all slots, goes into shared llama_decode calls, and the tokens the base candidates of a
+  slot begin with in common are decoded once, in cells their scoring sequences share (`shared_tokens`).
 Nothing committed is decoded twice: a committed step's last token is, for the logits of the next round.
 
 A candidate's hidden state then depends, by float rounding, on what shared its decodes (its round mates and
@@ -51,6 +52,62 @@ class HelperHead:
         return self.head.prompt or self.format.prompt
 
 
+@dataclass(frozen=True)
+class Read:
+    """A candidate to read: its tokens decoded into `seq` from position `first`, after the cells of `root`."""
+
+    slot: int
+    text: str
+    seq: int
+    tokens: list[int]
+    first: int
+    root: int  # reads that continue one sequence from one position share the cells of the tokens they begin with
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token to decode, in one cell every sequence of `seqs` holds."""
+
+    seqs: tuple[int, ...]
+    position: int
+    token: int
+
+
+def shared_tokens(reads: list[Read]) -> tuple[list[Token], list[Token], list[int]]:
+    """(bodies, lasts, last_of): the tokens that decode every read, a token that reads of one root begin with in
+    common once for all of them (a prefix trie). `lasts` end the reads (read i's is lasts[last_of[i]]), `bodies`
+    are the rest, by position, so that sequences sharing a cell hold the same cells before it, as llama.cpp
+    requires. A read that another one begins with is decoded on its own: its last token needs an output where
+    the other's body has none."""
+    def begins(longer: Read, shorter: Read) -> bool:
+        return (longer.root, longer.first) == (shorter.root, shorter.first) and len(longer.tokens) > len(
+            shorter.tokens) and longer.tokens[:len(shorter.tokens)] == shorter.tokens
+
+    child: dict[tuple[object, int], int] = {}  # (parent node or a trie's root key, token) -> node
+    nodes: list[tuple[list[int], int, int, int]] = []  # sequences, position, token, depth
+    parents: set[int] = set()
+    ends = []
+    for read in reads:
+        alone = any(begins(other, read) for other in reads)
+        at: object = ("alone", read.seq) if alone else ("root", read.root, read.first)
+        for depth, token in enumerate(read.tokens):
+            node = child.get((at, token))
+            if node is None:
+                node = child[(at, token)] = len(nodes)
+                nodes.append(([], read.first + depth, token, depth))
+                if isinstance(at, int):
+                    parents.add(at)
+            nodes[node][0].append(read.seq)
+            at = node
+        ends.append(at)
+    def token(node: int) -> Token:
+        seqs, position, value, _ = nodes[node]
+        return Token(tuple(seqs), position, value)
+    bodies = sorted((n for n in range(len(nodes)) if n in parents), key=lambda n: nodes[n][3])
+    last_nodes = list(dict.fromkeys(ends))
+    return [token(n) for n in bodies], [token(n) for n in last_nodes], [last_nodes.index(e) for e in ends]
+
+
 class HelperJudge:
     """Scores candidate steps of the helper generator's problems in its own context (a Generator made with
     scores=True): a round's survivors where they are (`score_round`), or any steps each alone (`score_many`)."""
@@ -80,7 +137,7 @@ class HelperJudge:
         scoring sequence for `commit_held` until the slot commits."""
         gen, ctx = self.gen, self.gen.ctx
         before = ctx.llama_seconds
-        reads: list[tuple[int, str, int, list[int], int]] = []  # slot, text, sequence, tokens, first position
+        reads: list[Read] = []
         for slot, drafts in survivors.items():
             self.held[slot] = {}
             spare = iter(gen.scoring(slot))
@@ -90,20 +147,20 @@ class HelperJudge:
                     continue
                 texts.add(d.content)
                 if d.side == gen.side:
-                    reads.append((slot, d.content, d.seq, *self.last_token(d)))
+                    reads.append(Read(slot, d.content, d.seq, *self.last_token(d), root=d.seq))
                 else:
                     tokens = as_committed(d) or [gen.model.eos]  # an empty step is read at the end of generation
                     seq = next(spare)
                     gen.fork(gen.committed(slot), seq)
                     self.held[slot][d.content] = (seq, tokens[-1])
-                    reads.append((slot, d.content, seq, tokens, ctx.pos_max(seq) + 1))
+                    reads.append(Read(slot, d.content, seq, tokens, ctx.pos_max(seq) + 1, root=gen.committed(slot)))
         rows = self.decode_reads(reads)
         gen.peak_used_cells = max(gen.peak_used_cells, ctx.used_cells(range(ctx.n_seq_max)))
         self.llama_seconds += ctx.llama_seconds - before
         rewards = self.rewards(rows)
         out: dict[int, dict[str, float]] = {slot: {} for slot in survivors}
-        for (slot, text, *_), reward in zip(reads, rewards):
-            out[slot][text] = float(reward)
+        for read, reward in zip(reads, rewards):
+            out[read.slot][read.text] = float(reward)
         return out
 
     def last_token(self, d: Draft) -> tuple[list[int], int]:
@@ -119,27 +176,28 @@ class HelperJudge:
             return [d.tokens[-2]], ctx.pos_max(d.seq) + 1
         return [self.gen.model.eos], ctx.pos_max(d.seq) + 1
 
-    def decode_reads(self, reads: list[tuple[int, str, int, list[int], int]]) -> np.ndarray:
-        """Decode every read in shared llama_decode calls of at most n_batch tokens: all but each read's last token
-        without outputs, then the last tokens with hidden states on (with them on llama.cpp outputs every token
-        of a batch, logits included); the hidden state at each read's last token [len(reads), n_embd]."""
+    def decode_reads(self, reads: list[Read]) -> np.ndarray:
+        """Decode every read in shared llama_decode calls of at most n_batch tokens (`shared_tokens`): all but each
+        read's last token without outputs, then the last tokens with hidden states on (with them on llama.cpp
+        outputs every token of a batch, logits included); the hidden state at each read's last token
+        [len(reads), n_embd]."""
         ctx = self.gen.ctx
-        bodies = [(seq, first + i, token) for _, _, seq, piece, first in reads for i, token in enumerate(piece[:-1])]
-        lasts = [(seq, first + len(piece) - 1, piece[-1]) for _, _, seq, piece, first in reads]
+        bodies, lasts, last_of = shared_tokens(reads)
         self.decode_rows(bodies, outputs=False)
         with ctx.hidden_states():
             rows = self.decode_rows(lasts, outputs=True)
         self.decoded_tokens += len(bodies) + len(lasts)
-        return np.array(rows, np.float32).reshape(len(rows), ctx.n_embd)
+        return np.array([rows[i] for i in last_of], np.float32).reshape(len(reads), ctx.n_embd)
 
-    def decode_rows(self, items: list[tuple[int, int, int]], outputs: bool) -> list[np.ndarray]:
-        """(sequence, position, token) items in decodes of at most n_batch; with outputs, each one's hidden state."""
+    def decode_rows(self, items: list[Token], outputs: bool) -> list[np.ndarray]:
+        """Items in decodes of at most n_batch, in their order; with outputs, each one's hidden state."""
         ctx, rows = self.gen.ctx, []
         for at in range(0, len(items), ctx.batch.capacity):
-            seqs, positions, tokens = (np.array(column, np.int32) for column in zip(*items[at:at + ctx.batch.capacity]))
-            ctx.decode(tokens, positions, seqs, np.full(len(tokens), int(outputs), np.int8))
+            chunk = items[at:at + ctx.batch.capacity]
+            ctx.decode(np.array([t.token for t in chunk], np.int32), np.array([t.position for t in chunk], np.int32),
+                       [t.seqs for t in chunk], np.full(len(chunk), int(outputs), np.int8))
             if outputs:
-                rows += [ctx.embedding(r) for r in range(len(tokens))]
+                rows += [ctx.embedding(r) for r in range(len(chunk))]
         return rows
 
     def commit_held(self, slot: int, text: str) -> bool:

@@ -127,19 +127,20 @@ class ContextParams:
 
 
 class Batch:
-    """A llama_batch whose arrays are numpy-owned, so filling it is vectorised."""
+    """A llama_batch whose arrays are numpy-owned, so filling it is vectorised. A token may belong to up to
+    `width` sequences (one cell they all hold: llama_batch's n_seq_id)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, width: int = 1) -> None:
         low = llama()
         self.capacity = capacity
         self.token = np.zeros(capacity, np.int32)
         self.pos = np.zeros(capacity, np.int32)
         self.n_seq_id = np.ones(capacity, np.int32)
-        self.seq_id = np.zeros(capacity, np.int32)
+        self.seq_id = np.zeros((capacity, width), np.int32)
         self.logits = np.zeros(capacity, np.int8)
-        base = self.seq_id.ctypes.data
+        base, row = self.seq_id.ctypes.data, self.seq_id.strides[0]
         self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
-            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)])
+            *[ctypes.cast(base + row * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)])
         self.struct = low.llama_batch()
         self.struct.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self.struct.embd = None
@@ -148,11 +149,18 @@ class Batch:
         self.struct.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
         self.struct.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
-    def fill(self, tokens: np.ndarray, positions: np.ndarray, seq_ids: np.ndarray, outputs: np.ndarray) -> None:
+    def fill(self, tokens: np.ndarray, positions: np.ndarray, seq_ids, outputs: np.ndarray) -> None:
+        """seq_ids: one sequence per token (an array), or a tuple of sequences per token."""
         n = len(tokens)
         self.token[:n] = tokens
         self.pos[:n] = positions
-        self.seq_id[:n] = seq_ids
+        if isinstance(seq_ids, np.ndarray):
+            self.seq_id[:n, 0] = seq_ids
+            self.n_seq_id[:n] = 1
+        else:
+            for i, seqs in enumerate(seq_ids):
+                self.seq_id[i, :len(seqs)] = seqs
+                self.n_seq_id[i] = len(seqs)
         self.logits[:n] = outputs
         self.struct.n_tokens = n
 
@@ -193,7 +201,7 @@ class Context:
         self.n_seq_max = params.n_seq_max
         self.n_vocab = model.n_vocab
         self.n_embd = model.n_embd
-        self.batch = Batch(params.n_batch)
+        self.batch = Batch(params.n_batch, params.n_seq_max)
         self.decode_seconds = 0.0  # wall time inside llama_decode, for cost reports
         self.decoded_tokens = 0  # tokens llama_decode was given, for cost reports and tests
         self.sample_seconds = 0.0  # wall time in llama.cpp's samplers (see Sampler.sample)
@@ -304,7 +312,9 @@ class Context:
             self.call(llama().llama_set_embeddings, self.handle, self.params.embeddings)
 
     def decode(self, tokens, positions, seq_ids, outputs) -> None:
-        """One llama_decode of at most n_batch tokens; rows flagged in outputs get logits (or embeddings)."""
+        """One llama_decode of at most n_batch tokens; rows flagged in outputs get logits (or embeddings). seq_ids:
+        one sequence per token, or a tuple per token (a cell the sequences share: llama.cpp requires that they
+        hold the same positions before it)."""
         n = len(tokens)
         if n > self.batch.capacity:
             raise KVRescueError(f"a batch of {n} tokens exceeds n_batch={self.batch.capacity}")
