@@ -17,10 +17,11 @@ decodes, the committed steps written one token a decode) against each survivor r
 (the layout the head is trained in). Beside them, on the same file, format and head in a PRM context of its own:
 each survivor alone (decoded by other code), and the baseline, the survivors grouped in one decode against each
 alone. The head is --head, else the preset's helper head, else its PRM head (its weights on states read as
-held: a layout test, not a quality one).
+held: a layout test, not a quality one). --served-only: the first comparison alone (the judge as served against
+each survivor alone), without the PRM context, in about half the time.
 
 Usage: python3 perf/prm_layout.py RESULTS.jsonl [--preset coder] [--prm preset|helper] [--head FILE] [--helper FILE]
-                                   [--config kvrescue-b64-n4-rkv:heads=shared] [--rounds 60]
+                                   [--config kvrescue-b64-n4-rkv:heads=shared] [--rounds 60] [--served-only]
 """
 
 from __future__ import annotations
@@ -149,9 +150,10 @@ def helper_judge(args, preset) -> None:
     clean, crowded = judge(1), judge(2)
     # the same states in a PRM context of its own: the head's format and prompt where it is a head for the helper
     as_held = prm_format(head.format).as_held
-    prm = PRM(args.helper or preset.helper, PRMParams(n_ctx=4096, max_candidates=16, n_batch=config.n_batch,
-                                       flash_attn=config.flash_attn, kv_type=config.helper_cache_type_k),
-              head=head_file if as_held else None, features_only=None if as_held else fmt.name)
+    prm = None if args.served_only else PRM(
+        args.helper or preset.helper, PRMParams(n_ctx=4096, max_candidates=16, n_batch=config.n_batch,
+                                                flash_attn=config.flash_attn, kv_type=config.helper_cache_type_k),
+        head=head_file if as_held else None, features_only=None if as_held else fmt.name)
     tally, seen, problem_now, held = Tally(), 0, None, 0
     for problem, committed, survivors, _, origins in rounds(args.results, args.config):
         if seen == args.rounds:
@@ -163,7 +165,8 @@ def helper_judge(args, preset) -> None:
             crowded.gen.start(0, helper.tokenize(config.prompt.format(problem=OTHER_PROBLEM)))
             crowded.gen.start(1, helper.tokenize(config.prompt.format(problem=problem)))
             crowded.gen.flush()
-            prm.start(problem)
+            if prm:
+                prm.start(problem)
         for slot in (0, 1):
             crowded.gen.drop_candidates(slot)
         for text in committed[held:]:
@@ -171,16 +174,19 @@ def helper_judge(args, preset) -> None:
             clean.gen.feed(0, tokens)
             for token in tokens:  # one token a decode, as a sampled step is written
                 crowded.gen.ctx.step([crowded.gen.committed(1)], [token])
-            prm.commit(text)
+            if prm:
+                prm.commit(text)
         held = len(committed)
         clean.gen.flush()
         alone = clean.score_many({0: survivors})[0]
         drafts = sampled_round(crowded.gen, [0, 1], survivors, origins)
         served = crowded.score_round(drafts, lambda d: [t for t in d.tokens if not helper.is_eog(t)])[1]
         tally.add("judge: as served vs alone", [served[t] for t in survivors], alone)
-        prm_alone = head.rewards(np.concatenate([prm.candidate_hidden([text]) for text in survivors]))
-        tally.add("judge (alone) vs a PRM context, alone", alone, prm_alone)
-        tally.add("baseline, a PRM context: grouped vs alone", head.rewards(prm.candidate_hidden(survivors)), prm_alone)
+        if prm:
+            prm_alone = head.rewards(np.concatenate([prm.candidate_hidden([text]) for text in survivors]))
+            tally.add("judge (alone) vs a PRM context, alone", alone, prm_alone)
+            tally.add("baseline, a PRM context: grouped vs alone", head.rewards(prm.candidate_hidden(survivors)),
+                      prm_alone)
         if seen % 10 == 0:  # a long replay says where it is
             print(f"{seen} rounds: picks differ (by margin) {tally.flips}", file=sys.stderr, flush=True)
     print(f"{seen} rounds of {args.config} with 2 or more survivors, --prm helper with {head_file.name} "
@@ -197,6 +203,8 @@ def main() -> None:
     parser.add_argument("--helper", help="the helper's GGUF, with --prm helper [default: the preset's]")
     parser.add_argument("--config", default="kvrescue-b64-n4-rkv:heads=shared", help="the rows' config_key")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--served-only", action="store_true", help="with --prm helper: the judge as served against "
+                        "each survivor alone only, without a PRM context")
     args = parser.parse_args()
     preset = load_preset(args.preset)
     (helper_judge if args.prm == "helper" else separate_prm)(args, preset)

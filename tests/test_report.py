@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvrescue_local.bench.estimate import BUILTIN, estimate, parse_contexts, qwen2_spec, resolve_model, spec_from_gguf
-from kvrescue_local.bench.metrics import accuracy_recovered, choice_comparisons, oracles, result_line, summaries
+from kvrescue_local.bench.metrics import (accuracy_recovered, choice_comparisons, oracles, result_line,
+                                         setup_comparisons, summaries)
 from kvrescue_local.bench.report import load_results, render
 from kvrescue_local.bench.run import results_config, sweep_axes
 from kvrescue_local.cli.report import estimate_command, report
@@ -207,6 +208,26 @@ def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
     assert 0.0 <= c.low <= 200 / 3 <= c.high <= 100.0
     assert (f"PRM vs random choice, kvrescue b64 n4 streaming, on the 3 problems both ran: 100.0% vs 33.3% "
             f"(difference +66.7 points, 95% paired bootstrap interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
+
+
+def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(tmp_path):
+    """Rows of one configuration run with two helper files (a setup each) are paired by problem, the later setup
+    against the first; pooled, there is one setup and nothing to compare."""
+    rows = []
+    for model, outcomes in (("helper-a.gguf", [True, False, False, True]), ("helper-b.gguf", [True, True, True])):
+        for row in synthetic("kvrescue", 1, 64, outcomes):
+            row["setup"] = {"models": {"helper": {"file": model, "size": 1, "sha256": model * 4}}, "prompt_sha256": "p",
+                            "settings": {"seed": 0}}
+            rows.append(row)
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+    (c,) = setup_comparisons(rows)
+    assert c.problems == 3 and sorted([c.first_pass1, c.other_pass1]) == [pytest.approx(100 / 3), 100.0]
+    difference = c.other_pass1 - c.first_pass1  # its sign: which setup is first follows their labels
+    assert c.first.setup != c.other.setup and c.low <= difference <= c.high and abs(difference) == pytest.approx(200 / 3)
+    assert (f"setup {c.other.setup} vs {c.first.setup}, kvrescue b64 n1 streaming, on the 3 problems both ran: "
+            f"{c.other_pass1:.1f}% vs {c.first_pass1:.1f}% (difference {c.other_pass1 - c.first_pass1:+.1f} points, "
+            f"95% paired bootstrap interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
+    assert "setup " not in render(rows, pool_setups=True).replace("setups ", "")
 
 
 def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_ran(tmp_path):

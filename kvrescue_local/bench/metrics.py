@@ -394,6 +394,14 @@ class ChoiceComparison:
     high: float
 
 
+def paired_interval(a: dict, b: dict, common: list[str], rng, draws: int) -> tuple[float, float]:
+    """95% paired bootstrap interval of pass@1(a) - pass@1(b) over the common problems, in points."""
+    diff = np.array([float(a[i]) - float(b[i]) for i in common])
+    means = diff[rng.integers(len(diff), size=(draws, len(diff)))].mean(axis=1)
+    low, high = np.percentile(100.0 * means, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                        seed: int = 0) -> list[ChoiceComparison]:
     groups = group_rows(rows, pool_setups)
@@ -408,9 +416,39 @@ def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int =
         p, r, common = paired(groups, chosen, random)
         if not common:
             continue
-        diff = np.array([float(p[i]) - float(r[i]) for i in common])
-        means = diff[rng.integers(len(diff), size=(draws, len(diff)))].mean(axis=1)
-        low, high = np.percentile(100.0 * means, [2.5, 97.5])
         out.append(ChoiceComparison(chosen, len(common), 100.0 * sum(p[i] for i in common) / len(common),
-                                    100.0 * sum(r[i] for i in common) / len(common), float(low), float(high)))
+                                    100.0 * sum(r[i] for i in common) / len(common),
+                                    *paired_interval(p, r, common, rng, draws)))
+    return out
+
+
+@dataclass(frozen=True)
+class SetupComparison:
+    """Two setups of one configuration (other model files or settings: setup_notes says which), problem by
+    problem."""
+
+    first: ConfigKey
+    other: ConfigKey
+    problems: int
+    first_pass1: float  # %, on these problems
+    other_pass1: float
+    low: float  # 95% paired bootstrap interval of other_pass1 - first_pass1, in points
+    high: float
+
+
+def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[SetupComparison]:
+    """Each further setup of a configuration against its first (in the report's order)."""
+    groups = group_rows(rows)
+    rng = np.random.default_rng(seed)
+    firsts: dict[ConfigKey, ConfigKey] = {}
+    out = []
+    for key in groups:
+        first = firsts.setdefault(dataclasses.replace(key, setup=""), key)
+        if first == key:
+            continue
+        a, b, common = paired(groups, key, first)
+        if common:
+            out.append(SetupComparison(first, key, len(common), 100.0 * sum(b[i] for i in common) / len(common),
+                                       100.0 * sum(a[i] for i in common) / len(common),
+                                       *paired_interval(a, b, common, rng, draws)))
     return out

@@ -6,7 +6,8 @@ Table 2 (ablation), one row per configuration (dataset, mode, budget, N, policy,
   per kvrescue row, the share of the accuracy lost to eviction that it recovers and its base tokens
   relative to evicted best-of-N; where a bon row and a helper row of the same N exist, the oracle
   pick between their answers (the paper's Figure 1a); and where KV-Rescue ran with the PRM's choice and
-  with random choice, the two on the problems both ran (paired bootstrap interval of the difference).
+  with random choice, the two on the problems both ran (paired bootstrap interval of the difference), and so
+  each further setup of a configuration against its first.
 Table 1 (decode cost), per configuration: mean seconds per problem inside llama.cpp for the base and
   the helper, in the PRM, in orchestration (the rest), in total; tokens per second of base and helper.
 Table 3 (throughput and KV memory by concurrency, and the memory-capped view), from rows that record
@@ -26,7 +27,8 @@ from pathlib import Path
 
 from ..errors import KVRescueError
 from ..files import check_input_file
-from .metrics import DEFAULT_CACHE, ConfigKey, Summary, choice_comparisons, config_key, oracles, setup_notes, summaries
+from .metrics import (DEFAULT_CACHE, ConfigKey, Summary, choice_comparisons, config_key, oracles, setup_comparisons,
+                      setup_notes, summaries)
 from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
 
@@ -221,6 +223,12 @@ def comparison_notes(rows: list[dict], pool_setups: bool) -> list[str]:
         notes.append(f"PRM vs random choice, {c.prm.label}, on the {c.problems} problems both ran: {fmt(c.prm_pass1)}% "
                      f"vs {fmt(c.random_pass1)}% (difference {c.prm_pass1 - c.random_pass1:+.1f} points, 95% paired "
                      f"bootstrap interval {c.low:+.1f} to {c.high:+.1f})")
+    if not pool_setups:
+        for c in setup_comparisons(rows):
+            notes.append(f"setup {c.other.setup} vs {c.first.setup}, {c.first.label}, on the {c.problems} problems both "
+                         f"ran: {fmt(c.other_pass1)}% vs {fmt(c.first_pass1)}% (difference "
+                         f"{c.other_pass1 - c.first_pass1:+.1f} points, 95% paired bootstrap interval {c.low:+.1f} to "
+                         f"{c.high:+.1f})")
     return notes
 
 
