@@ -204,7 +204,7 @@ def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
         row["config"]["choice"] = "random"
     rows = load_results(write_jsonl(tmp_path / "r.jsonl", chosen + drawn + other_budget))
     (c,) = choice_comparisons(rows)
-    assert (c.prm.budget, c.problems, c.prm_pass1, c.random_pass1) == (64, 3, 100.0, pytest.approx(100 / 3))
+    assert (c.a.budget, c.problems, c.a_pass1, c.b_pass1) == (64, 3, 100.0, pytest.approx(100 / 3))
     assert 0.0 <= c.low <= 200 / 3 <= c.high <= 100.0
     assert (f"PRM vs random choice, kvrescue b64 n4 streaming, on the 3 problems both ran: 100.0% vs 33.3% "
             f"(difference +66.7 points, 95% paired bootstrap interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
@@ -212,21 +212,29 @@ def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
 
 def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(tmp_path):
     """Rows of one configuration run with two helper files (a setup each) are paired by problem, the later setup
-    against the first; pooled, there is one setup and nothing to compare."""
+    against the first, and each is compared with random choice under its setup's name; pooled, there is one
+    setup and nothing to compare."""
     rows = []
     for model, outcomes in (("helper-a.gguf", [True, False, False, True]), ("helper-b.gguf", [True, True, True])):
         for row in synthetic("kvrescue", 1, 64, outcomes):
             row["setup"] = {"models": {"helper": {"file": model, "size": 1, "sha256": model * 4}}, "prompt_sha256": "p",
                             "settings": {"seed": 0}}
             rows.append(row)
-    rows = load_results(write_jsonl(tmp_path / "r.jsonl", rows))
+    drawn = synthetic("kvrescue", 1, 64, [False, False, False])
+    for row in drawn:
+        row["config"]["choice"] = "random"
+        row["setup"] = rows[0]["setup"]
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", rows + drawn))
+    assert len(choice_comparisons(rows)) == 2
+    assert [line.split(", on the")[0] for line in render(rows).splitlines() if line.startswith("PRM vs random")] == [
+        f"PRM vs random choice, kvrescue b64 n1 streaming (setup {c.a.setup})" for c in choice_comparisons(rows)]
     (c,) = setup_comparisons(rows)
-    assert c.problems == 3 and sorted([c.first_pass1, c.other_pass1]) == [pytest.approx(100 / 3), 100.0]
-    difference = c.other_pass1 - c.first_pass1  # its sign: which setup is first follows their labels
-    assert c.first.setup != c.other.setup and c.low <= difference <= c.high and abs(difference) == pytest.approx(200 / 3)
-    assert (f"setup {c.other.setup} vs {c.first.setup}, kvrescue b64 n1 streaming, on the 3 problems both ran: "
-            f"{c.other_pass1:.1f}% vs {c.first_pass1:.1f}% (difference {c.other_pass1 - c.first_pass1:+.1f} points, "
-            f"95% paired bootstrap interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
+    assert c.problems == 3 and sorted([c.a_pass1, c.b_pass1]) == [pytest.approx(100 / 3), 100.0]
+    difference = c.a_pass1 - c.b_pass1  # its sign: which setup is first follows their labels
+    assert c.a.setup != c.b.setup and c.low <= difference <= c.high and abs(difference) == pytest.approx(200 / 3)
+    assert (f"setup {c.a.setup} vs {c.b.setup}, kvrescue b64 n1 streaming, on the 3 problems both ran: "
+            f"{c.a_pass1:.1f}% vs {c.b_pass1:.1f}% (difference {difference:+.1f} points, 95% paired bootstrap "
+            f"interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
     assert "setup " not in render(rows, pool_setups=True).replace("setups ", "")
 
 

@@ -383,27 +383,33 @@ def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
 
 
 @dataclass(frozen=True)
-class ChoiceComparison:
-    """KV-Rescue choosing by the PRM against choosing at random, problem by problem (the PRM's worth in the loop)."""
+class PairedComparison:
+    """Two configurations problem by problem: KV-Rescue by the PRM's choice against random choice (the PRM's worth
+    in the loop), or two setups of one configuration."""
 
-    prm: ConfigKey
-    problems: int
-    prm_pass1: float  # %, on these problems
-    random_pass1: float
-    low: float  # 95% paired bootstrap interval of prm_pass1 - random_pass1, in points
+    a: ConfigKey
+    b: ConfigKey
+    problems: int  # both ran
+    a_pass1: float  # %, on these problems
+    b_pass1: float
+    low: float  # 95% paired bootstrap interval of a_pass1 - b_pass1, in points
     high: float
 
 
-def paired_interval(a: dict, b: dict, common: list[str], rng, draws: int) -> tuple[float, float]:
-    """95% paired bootstrap interval of pass@1(a) - pass@1(b) over the common problems, in points."""
-    diff = np.array([float(a[i]) - float(b[i]) for i in common])
+def compare(groups: dict[ConfigKey, list[dict]], a: ConfigKey, b: ConfigKey, rng, draws: int) -> PairedComparison | None:
+    x, y, common = paired(groups, a, b)
+    if not common:
+        return None
+    diff = np.array([float(x[i]) - float(y[i]) for i in common])
     means = diff[rng.integers(len(diff), size=(draws, len(diff)))].mean(axis=1)
     low, high = np.percentile(100.0 * means, [2.5, 97.5])
-    return float(low), float(high)
+    return PairedComparison(a, b, len(common), 100.0 * sum(x[i] for i in common) / len(common),
+                            100.0 * sum(y[i] for i in common) / len(common), float(low), float(high))
 
 
 def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
-                       seed: int = 0) -> list[ChoiceComparison]:
+                       seed: int = 0) -> list[PairedComparison]:
+    """Each configuration where the PRM chooses (a) against its random-choice partner (b)."""
     groups = group_rows(rows, pool_setups)
     rng = np.random.default_rng(seed)
     out = []
@@ -411,44 +417,19 @@ def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int =
         random = partner(groups, chosen, mode=Mode.KVRESCUE, choice="random", budget=chosen.budget,
                          policy=chosen.policy, weights=chosen.weights, kv_cache=chosen.kv_cache,
                          helper_kv_cache=chosen.helper_kv_cache)
-        if random is None:
-            continue
-        p, r, common = paired(groups, chosen, random)
-        if not common:
-            continue
-        out.append(ChoiceComparison(chosen, len(common), 100.0 * sum(p[i] for i in common) / len(common),
-                                    100.0 * sum(r[i] for i in common) / len(common),
-                                    *paired_interval(p, r, common, rng, draws)))
+        if random is not None and (c := compare(groups, chosen, random, rng, draws)):
+            out.append(c)
     return out
 
 
-@dataclass(frozen=True)
-class SetupComparison:
-    """Two setups of one configuration (other model files or settings: setup_notes says which), problem by
-    problem."""
-
-    first: ConfigKey
-    other: ConfigKey
-    problems: int
-    first_pass1: float  # %, on these problems
-    other_pass1: float
-    low: float  # 95% paired bootstrap interval of other_pass1 - first_pass1, in points
-    high: float
-
-
-def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[SetupComparison]:
-    """Each further setup of a configuration against its first (in the report's order)."""
+def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[PairedComparison]:
+    """Each further setup of a configuration (a) against its first in the report's order (b)."""
     groups = group_rows(rows)
     rng = np.random.default_rng(seed)
     firsts: dict[ConfigKey, ConfigKey] = {}
     out = []
     for key in groups:
         first = firsts.setdefault(dataclasses.replace(key, setup=""), key)
-        if first == key:
-            continue
-        a, b, common = paired(groups, key, first)
-        if common:
-            out.append(SetupComparison(first, key, len(common), 100.0 * sum(b[i] for i in common) / len(common),
-                                       100.0 * sum(a[i] for i in common) / len(common),
-                                       *paired_interval(a, b, common, rng, draws)))
+        if first != key and (c := compare(groups, key, first, rng, draws)):
+            out.append(c)
     return out

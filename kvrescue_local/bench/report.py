@@ -27,8 +27,8 @@ from pathlib import Path
 
 from ..errors import KVRescueError
 from ..files import check_input_file
-from .metrics import (DEFAULT_CACHE, ConfigKey, Summary, choice_comparisons, config_key, oracles, setup_comparisons,
-                      setup_notes, summaries)
+from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, choice_comparisons, config_key, oracles,
+                      setup_comparisons, setup_notes, summaries)
 from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
 
@@ -219,17 +219,21 @@ def comparison_notes(rows: list[dict], pool_setups: bool) -> list[str]:
         gap = "" if o.gap_closed is None else f": it closes {o.gap_closed:.0f}% of the gap eviction opens"
         notes.append(f"oracle pick, {o.bon.label} or helper n{o.bon.n}, on the {o.problems} problems both ran: "
                      f"{fmt(o.oracle_pass1)}% (evicted {fmt(o.bon_pass1)}%, helper {fmt(o.helper_pass1)}%{full}){gap}")
-    for c in choice_comparisons(rows, pool_setups):
-        notes.append(f"PRM vs random choice, {c.prm.label}, on the {c.problems} problems both ran: {fmt(c.prm_pass1)}% "
-                     f"vs {fmt(c.random_pass1)}% (difference {c.prm_pass1 - c.random_pass1:+.1f} points, 95% paired "
-                     f"bootstrap interval {c.low:+.1f} to {c.high:+.1f})")
+    choices = choice_comparisons(rows, pool_setups)
+    for c in choices:
+        twice = sum(other.a.label == c.a.label for other in choices) > 1  # told apart by their setups
+        notes.append(f"PRM vs random choice, {c.a.label}{f' (setup {c.a.setup})' if twice else ''}, on the "
+                     f"{c.problems} problems both ran: {paired_text(c)}")
     if not pool_setups:
         for c in setup_comparisons(rows):
-            notes.append(f"setup {c.other.setup} vs {c.first.setup}, {c.first.label}, on the {c.problems} problems both "
-                         f"ran: {fmt(c.other_pass1)}% vs {fmt(c.first_pass1)}% (difference "
-                         f"{c.other_pass1 - c.first_pass1:+.1f} points, 95% paired bootstrap interval {c.low:+.1f} to "
-                         f"{c.high:+.1f})")
+            notes.append(f"setup {c.a.setup} vs {c.b.setup}, {c.b.label}, on the {c.problems} problems both ran: "
+                         f"{paired_text(c)}")
     return notes
+
+
+def paired_text(c: PairedComparison) -> str:
+    return (f"{fmt(c.a_pass1)}% vs {fmt(c.b_pass1)}% (difference {c.a_pass1 - c.b_pass1:+.1f} points, 95% paired "
+            f"bootstrap interval {c.low:+.1f} to {c.high:+.1f})")
 
 
 def once_each(rows: list[dict], pool_setups: bool) -> list[dict]:
