@@ -100,9 +100,11 @@ def shared_tokens(reads: list[Read]) -> tuple[list[Token], list[Token], list[int
             nodes[node][0].append(read.seq)
             at = node
         ends.append(at)
+
     def token(node: int) -> Token:
         seqs, position, value, _ = nodes[node]
         return Token(tuple(seqs), position, value)
+
     bodies = sorted((n for n in range(len(nodes)) if n in parents), key=lambda n: nodes[n][3])
     last_nodes = list(dict.fromkeys(ends))
     return [token(n) for n in bodies], [token(n) for n in last_nodes], [last_nodes.index(e) for e in ends]
