@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from kvrescue_local.presets import load_preset
 from kvrescue_local.rescue.judge import Read, shared_tokens
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--preset", default="coder")
     parser.add_argument("--config", default="kvrescue-b64-n4-rkv", help="the rows' config_key")
     args = parser.parse_args()
+    if not Path(args.results).is_file():
+        raise SystemExit(f"Error: no results file {args.results}: give a JSONL file that `bench run --results` wrote")
     helper = Model(load_preset(args.preset).helper)
     with open(args.results, encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines]

@@ -206,6 +206,8 @@ def main() -> None:
     parser.add_argument("--served-only", action="store_true", help="with --prm helper: the judge as served against "
                         "each survivor alone only, without a PRM context")
     args = parser.parse_args()
+    if args.served_only and args.prm != "helper":
+        raise SystemExit("Error: --served-only compares the judge's layouts: use it with --prm helper")
     preset = load_preset(args.preset)
     (helper_judge if args.prm == "helper" else separate_prm)(args, preset)
 

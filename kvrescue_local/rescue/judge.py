@@ -106,8 +106,8 @@ def shared_tokens(reads: list[Read]) -> tuple[list[Token], list[Token], list[int
         return Token(tuple(seqs), position, value)
 
     bodies = sorted((n for n in range(len(nodes)) if n in parents), key=lambda n: nodes[n][3])
-    last_nodes = list(dict.fromkeys(ends))
-    return [token(n) for n in bodies], [token(n) for n in last_nodes], [last_nodes.index(e) for e in ends]
+    last_of = {node: i for i, node in enumerate(dict.fromkeys(ends))}
+    return [token(n) for n in bodies], [token(n) for n in last_of], [last_of[e] for e in ends]
 
 
 class HelperJudge:
