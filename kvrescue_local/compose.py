@@ -180,8 +180,8 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
 
 def helper_head(path: Path, helper: Model, preset: str) -> HelperHead:
     """The head for `--prm helper`: one of a format that reads steps as the helper holds them, trained on this
-    helper's very file (its fingerprint), else one Error line."""
-    head = RewardHead.load(path, hidden_size=helper.n_embd)
+    helper's very file (its fingerprint, which fixes its hidden size too), else one Error line."""
+    head = RewardHead.load(path)
     train = f"`kvrescue-local prm train --preset {preset} --format helper-value`"
     if not prm_format(head.format).as_held:
         raise KVRescueError(f"the head {path} is of format {head.format}, which reads steps in a PRM context of its "

@@ -274,3 +274,31 @@ def test_a_head_on_the_helpers_own_context_trains_and_serves_on_the_states_it_wa
     solved = CliRunner().invoke(main, ["solve", "--preset", "toy", "--prm", f"helper:{out}", "-n", "2", "-t", "1",
                                        "--budget", "48", TOY_PROBLEM])
     assert solved.exit_code == 0 and "answer:" in solved.output, solved.output
+
+
+def test_a_head_on_another_models_context_is_trained_and_evaluated_on_that_model(toy_rollouts, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvrescue_local.prmtrain.pipeline.FEATURES_CACHE", tmp_path / "features")
+    base = load_preset("toy").base
+    out = tmp_path / "base-judge.head.npz"
+    train = ["prm", "train", "--preset", "toy", "--format", "helper-value", "--no-rollouts", "--rollouts",
+             str(toy_rollouts), "--helper", str(base), "-t", "1"]
+    no_out = CliRunner().invoke(main, train)
+    assert no_out.exit_code != 0 and "needs --out" in no_out.output and "Traceback" not in no_out.output
+    result = CliRunner().invoke(main, train + ["--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert RewardHead.load(out).backbone == file_hash(base) != file_hash(load_preset("toy").helper)
+
+    with pytest.raises(KVRescueError, match="trained on the hidden states of another model file"):
+        open_backbone("toy", threads=1, head=out)  # `prm eval` on the preset's own helper
+    judge = open_backbone("toy", threads=1, head=out, helper=base)  # `prm eval --helper BASE`: the model it was trained on
+    assert judge.model.path == base
+    trajectory = Trajectory.from_json(read_rows(toy_rollouts)[0]["trajectory"])
+    cached, was_cached = FeatureCache(judge, tmp_path / "features").hidden(trajectory)
+    assert was_cached
+    served = judge.rewards(judge.trajectory_hidden(trajectory.problem, [s.text for s in trajectory.steps],
+                                                   killed_texts(trajectory)))
+    np.testing.assert_allclose(served, RewardHead.load(out).rewards(cached), atol=1e-5)
+    other_format = CliRunner().invoke(main, ["prm", "train", "--preset", "toy", "--format", "toy-prm", "--no-rollouts",
+                                             "--rollouts", str(toy_rollouts), "--helper", str(base), "--out",
+                                             str(tmp_path / "x.npz")])
+    assert other_format.exit_code != 0 and "format helper-value" in other_format.output

@@ -44,10 +44,13 @@ def prm() -> None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               help="the head file [default: where the preset reads it; coder: models/coder/prm.head.npz, with "
                    "--format helper-value models/coder/helper.head.npz]")
+@click.option("--helper", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="with --format helper-value: the model whose context reads the steps [default: the preset's helper]; "
+                   "another size's judge (needs --out)")
 @click.option("--threads", "-t", type=THREADS, default=0, show_default=True, help="llama.cpp threads (0: KVRESCUE_THREADS, "
                                                                               "else physical cores - 1)")
 def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets, max_tokens, seed, fmt, out,
-                  threads) -> None:
+                  helper, threads) -> None:
     """Roll out (resumable), read hidden states (cached), fit a value head in numpy, write it."""
     from ..prmtrain.fit import VALIDATION_SHARE
     from ..prmtrain.pipeline import (Rollouts, Stopwatch, evaluate, features, head_file, labelled_rows, open_backbone,
@@ -61,6 +64,9 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     if len(rollouts) > 1 and not no_rollouts:
         raise KVRescueError("stage 1 extends one rollouts file: pass one, merge them with `kvrescue-local bench merge`, "
                             "or add --no-rollouts to train on them as they are")
+    if helper and out is None:  # the preset's head file belongs to the preset's own helper
+        raise KVRescueError(f"a head on {helper.name} needs --out FILE.head.npz: the {preset} preset's head file is "
+                            "trained on its own helper")
     out = out or head_file(preset, fmt)
     clock = Stopwatch()
     if not no_rollouts:
@@ -72,7 +78,7 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     check_rows(rows, rollouts, left_out, "`kvrescue-local prm train` without --no-rollouts rolls some out")
     click.echo(f"{len(rows)} rows ({left_out} left out: no trajectory record or an error), {len(steps)} labelled "
                f"steps ({sum(s.label for s in steps)} right) of {len({s.problem for s in steps})} problems")
-    backbone = open_backbone(preset, threads, features_only=fmt)
+    backbone = open_backbone(preset, threads, features_only=fmt, helper=helper)
     clock.lap()
     counts = {"cached": 0, "read": 0}
     with click.progressbar(length=len(rows), label="2/3 features", file=sys.stderr) as bar:
@@ -104,8 +110,10 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
 @click.option("--preset", default="coder", show_default=True, help="whose PRM (backbone and head) to evaluate")
 @click.option("--head", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a head file [default: the preset's]")
+@click.option("--helper", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="for a head read as held: the model it was trained on [default: the preset's helper]")
 @click.option("--threads", "-t", type=THREADS, default=0, show_default=True)
-def eval_command(rollouts, preset, head, threads) -> None:
+def eval_command(rollouts, preset, head, helper, threads) -> None:
     """Step-level AUC and pairwise accuracy (right vs wrong step of one problem and round, by the wrong step's
     origin) on evaluation problems."""
     from ..prmtrain.pipeline import evaluate, features, labelled_rows, open_backbone
@@ -114,7 +122,7 @@ def eval_command(rollouts, preset, head, threads) -> None:
     check_rows(rows, rollouts, left_out, "pass the results of `bench run --split eval`")
     if left_out:
         note(f"{left_out} rows left out (no trajectory record or an error)")
-    backbone = open_backbone(preset, threads, head=head)
+    backbone = open_backbone(preset, threads, head=head, helper=helper)
     with click.progressbar(length=len(rows), label="features", file=sys.stderr) as bar:
         rewards = backbone.rewards(features(backbone, rows, lambda cached: bar.update(1)))
     click.echo(f"{len(rows)} rows of {len({s.problem for s in steps})} problems:")

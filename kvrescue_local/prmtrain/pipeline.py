@@ -95,13 +95,17 @@ def labelled_rows(files: list[Path], split: str) -> tuple[list[dict], list[Label
     return kept, [s for row in kept for s in labelled_steps(row)], left_out
 
 
-def open_backbone(preset: str, threads: int, head: Path | None = None, features_only: str | None = None
-                  ) -> PRM | HelperJudge:
+def open_backbone(preset: str, threads: int, head: Path | None = None, features_only: str | None = None,
+                  helper: Path | None = None) -> PRM | HelperJudge:
     """What reads the hidden states: the preset's PRM, or for a format read as held (`--prm helper`) the judge on
-    its helper's context. features_only: a format name and no head (training one); else `head`, or the preset's."""
-    selection = select_models({"preset": preset}, False, False, needs_prm=True)
+    its helper's context (`helper`: another model's, a judge of another size). features_only: a format name and
+    no head (training one); else `head`, or the preset's."""
+    selection = select_models({"preset": preset, "helper": helper and str(helper)}, False, False, needs_prm=True)
     head = head or (None if features_only else head_file(preset))
     fmt = prm_format(features_only or RewardHead.load(head).format)
+    if helper and not fmt.as_held:
+        raise KVRescueError(f"--helper names the model that reads a head's steps as held (format helper-value); a "
+                            f"head of format {fmt.name} reads the PRM's own context")
     if fmt.as_held:
         config = selection.config({})
         helper = Model(selection.paths["helper"])
