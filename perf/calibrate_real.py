@@ -4,13 +4,18 @@
 `collect` solves GSM8K and MATH500 problems in each setting (full KV; best-of-N evicted with R-KV
 at each budget) with the detector watching every base candidate but killing none, and appends one
 JSON line per candidate (setting, dataset, the monitor's statistics) to STATS as each problem ends,
-so it can be stopped and resumed. `fit` runs the detector's Otsu calibration on all of them, prints
+so it can be stopped and resumed. `replay` writes the same lines from results files of `bench run`
+without decoding: each committed base step of a full-KV or evicted best-of-N trajectory is re-tokenized
+and fed to a watching monitor after the trajectory's text before it, which gives the zstd signal exactly
+as the loop would have seen it (the entropy needs the logits, so it is left out), and it prints where the
+shipped thresholds would first kill each trajectory's step. `fit` runs the detector's Otsu calibration on all of them, prints
 each signal's separability, the kill rate on full-KV candidates (false kills) vs evicted ones at
 the fitted and at the default thresholds, and the zstd ratio of ordinary enumerations next to real
 full-KV text; `--write` stores the thresholds with the coder preset.
 
 Usage:
   KVRESCUE_THREADS=1 nice python3 perf/calibrate_real.py collect --stats cal.jsonl --problems 8
+  python3 perf/calibrate_real.py replay results/coder-math500-table.jsonl --stats replay.jsonl
   python3 perf/calibrate_real.py fit --stats cal.jsonl [--write models/coder/detector.json]
 """
 
@@ -24,7 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from kvrescue_local.bench.datasets import load_dataset
-from kvrescue_local.detect import Detector, DetectorParams, calibrate, compression_ratio
+from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.detect.calibrate import MIN_SEPARABILITY, load_params, otsu_threshold
+from kvrescue_local.detect import Detector, DetectorParams, compression_ratio
 from kvrescue_local.detect.calibrate import save_params
 from kvrescue_local.eviction import KVBudget
 from kvrescue_local.presets import MODELS_CACHE
@@ -70,12 +77,65 @@ def collect(args) -> None:
                       f"stop {record['stop']}, answer {record['answer']} (gold {problem.answer})", flush=True)
 
 
+def setting_of(row: dict) -> str | None:
+    """A row's setting in collect's names; None for a mode whose committed steps are not all the base's."""
+    config = row["config"]
+    if config["mode"] == "full":
+        return "full"
+    return f"bon@{config['budget']}" if config["mode"] == "bon" and config["n"] == 1 else None
+
+
+def replay(args) -> None:
+    model = Model(args.base)
+    shipped = load_params(args.detector)
+    unique = {(r["dataset"], r["id"], r["config_key"]): r for path in args.results for r in read_rows(path)}
+    rows = [r for r in unique.values() if "trajectory" in r and setting_of(r)]  # a problem in two files once
+    if not rows:
+        raise SystemExit(f"Error: {', '.join(map(str, args.results))} hold no full-KV or N = 1 best-of-N rows with "
+                         "trajectories: pass results files of `bench run --modes full,bon --ns 1`")
+    summary: dict[str, dict] = {}
+    with args.stats.open("w") as out:
+        for row in rows:
+            setting, text, kill_at = setting_of(row), b"", None
+            at = 0  # base tokens before this step
+            for step in row["trajectory"]["steps"]:
+                watcher = Detector(WATCH_ONLY).monitor(text)
+                judge = Detector(shipped).monitor(text)
+                tokens = model.tokenize(step["text"], special=False)
+                for i, token in enumerate(tokens):
+                    piece = model.detokenize_bytes([int(token)], special=False)
+                    watcher.update(0.0, piece)
+                    if kill_at is None and judge.update(0.0, piece):
+                        kill_at = at + i + 1
+                out.write(json.dumps({"dataset": row["dataset"], "id": row["id"], "setting": setting,
+                                      "text": step["text"], **watcher.stats(), "max_mean_entropy": None}) + "\n")
+                text += step["text"].encode()
+                at += len(tokens)
+            s = summary.setdefault(setting, {"trajectories": 0, "capped": 0, "killed": 0, "capped_killed": 0,
+                                             "tokens": 0, "after_kill": 0})
+            s["trajectories"] += 1
+            s["capped"] += bool(row["length_capped"])
+            s["tokens"] += at
+            if kill_at is not None:
+                s["killed"] += 1
+                s["capped_killed"] += bool(row["length_capped"])
+                s["after_kill"] += at - kill_at
+    print(f"zstd threshold {shipped.tau_compression} ({args.detector}), {shipped.text_window}-byte window, checked "
+          f"every {shipped.check_every} tokens; wrote {args.stats}")
+    print(f"{'setting':8s}  {'trajectories':>12s}  {'at the cap':>10s}  {'a step killed':>13s}  {'of them capped':>14s}  "
+          f"{'base tokens':>11s}  {'after the first kill':>20s}")
+    for setting, s in sorted(summary.items()):
+        print(f"{setting:8s}  {s['trajectories']:12d}  {s['capped']:10d}  {s['killed']:13d}  {s['capped_killed']:14d}  "
+              f"{s['tokens']:11,d}  {s['after_kill']:13,d} ({100 * s['after_kill'] / max(s['tokens'], 1):.1f}%)")
+
+
 def enumeration(start: int, step: int, count: int) -> bytes:
     return ", ".join(f"a_{i} = {start + step * (i - 1)}" for i in range(1, count + 1)).encode()
 
 
 def killed(row: dict, params: DetectorParams) -> bool:
-    return row["max_mean_entropy"] > params.tau_entropy or row["min_compression"] < params.tau_compression
+    entropy = row["max_mean_entropy"]  # None in replayed lines
+    return entropy is not None and entropy > params.tau_entropy or row["min_compression"] < params.tau_compression
 
 
 def kill_rates(rows: list[dict], params: DetectorParams) -> dict[str, float]:
@@ -90,7 +150,9 @@ def fit(args) -> None:
     rows = [json.loads(line) for line in args.stats.read_text().splitlines()]
     defaults = DetectorParams()
     # each signal only where it was measured: a full entropy window, a full text window (zstd checked)
-    measured = {"tau_entropy": ("max_mean_entropy", [r for r in rows if r["tokens"] >= defaults.entropy_window]),
+    # replayed lines (`replay`) carry no entropy
+    measured = {"tau_entropy": ("max_mean_entropy", [r for r in rows if r["tokens"] >= defaults.entropy_window
+                                                     and r["max_mean_entropy"] is not None]),
                 "tau_compression": ("min_compression", [r for r in rows if r["min_compression"] < 1.0])}
     chosen = {}
     for field, (key, subset) in measured.items():
@@ -99,11 +161,13 @@ def fit(args) -> None:
         for s in counts:
             v = np.array([r[key] for r in subset if r["setting"] == s])
             print(f"  {s:8s}: min {v.min():.3f}  p50 {np.median(v):.3f}  max {v.max():.3f}")
-        _, report = calibrate(subset)
-        threshold, separability = report[field]["threshold"], report[field]["separability"]
+        if len(subset) < 8:
+            print(f"  not measured (at least 8 candidates needed): default {getattr(defaults, field)} kept")
+            continue
+        threshold, separability = otsu_threshold([r[key] for r in subset])  # the detector's own calibration
         trial = dataclasses.replace(WATCH_ONLY, **{field: threshold})
         false_kills = kill_rates([r for r in subset if r["setting"] == "full"], trial).get("full", 0.0)
-        keep = report[field]["used"] and false_kills <= MAX_FALSE_KILLS
+        keep = separability >= MIN_SEPARABILITY and false_kills <= MAX_FALSE_KILLS
         print(f"  Otsu: threshold {threshold:.3f}, separability {separability:.2f}, it would kill "
               + ", ".join(f"{s} {v:.1f}%" for s, v in kill_rates(subset, trial).items())
               + ("" if keep else f": not used (separability < 0.75 or > {MAX_FALSE_KILLS}% full-KV kills), "
@@ -119,7 +183,7 @@ def fit(args) -> None:
         print(f"zstd ratio of 256-byte windows of full-KV steps ({len(ratios)}): min {min(ratios):.3f}, "
               f"p50 {np.median(ratios):.3f}")
     fitted = dataclasses.replace(defaults, **chosen)
-    watched = measured["tau_entropy"][1]
+    watched = rows  # every candidate (a short one is never killed by entropy)
     for label, params in (("default", defaults), ("chosen", fitted)):
         print(f"kill rate at the {label} thresholds (entropy {params.tau_entropy:.3f}, zstd {params.tau_compression:.3f}): "
               + ", ".join(f"{s} {v:.1f}%" for s, v in kill_rates(watched, params).items()))
@@ -137,11 +201,16 @@ def main() -> None:
     c.add_argument("--datasets", default="gsm8k,math500")
     c.add_argument("--problems", type=int, default=8, help="first PROBLEMS of each dataset")
     c.add_argument("--budgets", default="64,128")
+    r = sub.add_parser("replay")
+    r.add_argument("results", type=Path, nargs="+")
+    r.add_argument("--base", type=Path, default=MODELS_CACHE / "coder-1.5b.gguf", help="the tokenizer the base used")
+    r.add_argument("--detector", type=Path, default=Path(__file__).parent.parent / "models/coder/detector.json")
+    r.add_argument("--stats", type=Path, required=True)
     f = sub.add_parser("fit")
     f.add_argument("--stats", type=Path, required=True)
     f.add_argument("--write", type=Path, help="store the fitted thresholds here (JSON)")
     args = parser.parse_args()
-    collect(args) if args.command == "collect" else fit(args)
+    {"collect": collect, "replay": replay, "fit": fit}[args.command](args)
 
 
 if __name__ == "__main__":
