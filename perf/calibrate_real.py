@@ -86,6 +86,10 @@ def setting_of(row: dict) -> str | None:
 
 
 def replay(args) -> None:
+    missing = [str(p) for p in [*args.results, args.base, args.detector] if not p.exists()]
+    if missing:
+        raise SystemExit(f"Error: not found: {', '.join(missing)} (results files of `bench run`, the base's GGUF: "
+                         "`kvrescue-local models pull coder`, and the detector's thresholds)")
     model = Model(args.base)
     shipped = load_params(args.detector)
     unique = {(r["dataset"], r["id"], r["config_key"]): r for path in args.results for r in read_rows(path)}
