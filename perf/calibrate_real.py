@@ -30,9 +30,8 @@ import numpy as np
 
 from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.bench.results_file import read_rows
-from kvrescue_local.detect.calibrate import MIN_SEPARABILITY, load_params, otsu_threshold
 from kvrescue_local.detect import Detector, DetectorParams, compression_ratio
-from kvrescue_local.detect.calibrate import save_params
+from kvrescue_local.detect.calibrate import MIN_SEPARABILITY, load_params, otsu_threshold, save_params
 from kvrescue_local.eviction import KVBudget
 from kvrescue_local.presets import MODELS_CACHE
 from kvrescue_local.rescue import Rescue, RescueConfig, longest_prompt
@@ -97,22 +96,22 @@ def replay(args) -> None:
     if not rows:
         raise SystemExit(f"Error: {', '.join(map(str, args.results))} hold no full-KV or N = 1 best-of-N rows with "
                          "trajectories: pass results files of `bench run --modes full,bon --ns 1`")
+    # the shipped windows, killing nothing: a step's first kill is where its zstd minimum falls below the threshold
+    watching = dataclasses.replace(shipped, tau_entropy=WATCH_ONLY.tau_entropy, tau_compression=WATCH_ONLY.tau_compression)
     summary: dict[str, dict] = {}
     with args.stats.open("w") as out:
         for row in rows:
             setting, text, kill_at = setting_of(row), b"", None
             at = 0  # base tokens before this step
             for step in row["trajectory"]["steps"]:
-                watcher = Detector(WATCH_ONLY).monitor(text)
-                judge = Detector(shipped).monitor(text)
+                monitor = Detector(watching).monitor(text)
                 tokens = model.tokenize(step["text"], special=False)
                 for i, token in enumerate(tokens):
-                    piece = model.detokenize_bytes([int(token)], special=False)
-                    watcher.update(0.0, piece)
-                    if kill_at is None and judge.update(0.0, piece):
+                    monitor.update(0.0, model.detokenize_bytes([int(token)], special=False))
+                    if kill_at is None and monitor.min_compression < shipped.tau_compression:
                         kill_at = at + i + 1
                 out.write(json.dumps({"dataset": row["dataset"], "id": row["id"], "setting": setting,
-                                      "text": step["text"], **watcher.stats(), "max_mean_entropy": None}) + "\n")
+                                      "text": step["text"], **monitor.stats(), "max_mean_entropy": None}) + "\n")
                 text += step["text"].encode()
                 at += len(tokens)
             s = summary.setdefault(setting, {"trajectories": 0, "capped": 0, "killed": 0, "capped_killed": 0,
@@ -139,7 +138,7 @@ def enumeration(start: int, step: int, count: int) -> bytes:
 
 def killed(row: dict, params: DetectorParams) -> bool:
     entropy = row["max_mean_entropy"]  # None in replayed lines
-    return entropy is not None and entropy > params.tau_entropy or row["min_compression"] < params.tau_compression
+    return (entropy is not None and entropy > params.tau_entropy) or row["min_compression"] < params.tau_compression
 
 
 def kill_rates(rows: list[dict], params: DetectorParams) -> dict[str, float]:
