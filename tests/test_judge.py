@@ -167,6 +167,34 @@ def test_no_committed_step_is_decoded_twice(base_model, helper_model, head_file)
         Rescue(config(n=1, **EXACT_RUN), base_model, helper_model, judge, concurrency=86)
 
 
+def test_a_problem_is_charged_all_its_llama_time_and_a_read_winner_is_the_helpers_commit(base_model, helper_model,
+                                                                                          head_file):
+    """Each context's llama.cpp time solving a problem is in its timings, its prompt and commits included. A base
+    winner read whole is committed from where it was read: the decode of its tokens before the last is work that
+    a commit of its text does with any choice, so it is charged to the helper, not to the PRM."""
+    judge = helper_head(head_file, helper_model, "tiny")
+    engine = Rescue(config(n=3, seed=4, **EXACT_RUN), base_model, helper_model, judge)
+    scorer, moved, commit_held = engine.scorer, [], engine.scorer.commit_held
+
+    def counted(slot, text):
+        held = scorer.held.get(slot, {}).get(text)
+        moved.append(held.body_tokens * scorer.body_seconds_per_token if held else 0.0)
+        return commit_held(slot, text)
+
+    scorer.commit_held = counted
+    before = {name: gen.ctx.llama_seconds for name, gen in engine.sides.items()}
+    trajectory = engine.solve(PROBLEM)
+    spent = {name: gen.ctx.llama_seconds - before[name] for name, gen in engine.sides.items()}
+    t = trajectory.timings
+    assert sum(s.source == "base" and s.score is not None for s in trajectory.steps[:-1]) > 0
+    assert scorer.committed_seconds == pytest.approx(sum(moved)) and scorer.committed_seconds > 0
+    assert t["llama_base"] == pytest.approx(spent["base"], abs=1e-3)
+    assert t["llama_helper"] == pytest.approx(spent["helper"] - scorer.llama_seconds + scorer.committed_seconds,
+                                              abs=1e-3)
+    assert t["prm"] == pytest.approx(engine.prm_seconds - scorer.committed_seconds, abs=1e-3)
+    assert 0 < scorer.llama_seconds - scorer.committed_seconds < t["prm"]
+
+
 def read_cost(survivors, as_committed, side: str, eos: int) -> int:
     """Tokens the judge decodes to read a round's survivors: one per text the helper sampled; the base's other
     texts in the tokens they are committed in, the tokens several begin with in common once, but whole a text

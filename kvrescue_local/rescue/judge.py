@@ -65,6 +65,15 @@ class Read:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A base candidate read in a scoring sequence, kept until its slot commits."""
+
+    seq: int
+    last_token: int
+    body_tokens: int  # decoded before its last token, without outputs
+
+
+@dataclass(frozen=True)
 class Token:
     """One token to decode, in one cell every sequence of `seqs` holds."""
 
@@ -130,7 +139,11 @@ class HelperJudge:
         self.prompt = prompt or (head and head.prompt) or fmt.prompt
         self.decoded_tokens = 0  # every token this judge decoded (candidates only)
         self.llama_seconds = 0.0  # its part of the helper context's llama.cpp time
-        self.held: dict[int, dict[str, tuple[int, int]]] = {}  # slot -> base step text -> (scoring sequence, last token)
+        # the part of llama_seconds that decoded base winners' tokens before their last: work the helper's commit
+        # would do with any choice (it decodes a base winner whole at commit), not the judge's
+        self.committed_seconds = 0.0
+        self.held: dict[int, dict[str, Held]] = {}  # slot -> base step text -> where it was read
+        self.body_seconds_per_token = 0.0  # in this round's decodes without outputs
 
     def score_round(self, survivors: dict[int, list[Draft]],
                     as_committed: Callable[[Draft], list[int]]) -> dict[int, dict[str, float]]:
@@ -154,7 +167,7 @@ class HelperJudge:
                     tokens = as_committed(d) or [gen.model.eos]  # an empty step is read at the end of generation
                     seq = next(spare)
                     gen.fork(gen.committed(slot), seq)
-                    self.held[slot][d.content] = (seq, tokens[-1])
+                    self.held[slot][d.content] = Held(seq, tokens[-1], len(tokens) - 1)
                     reads.append(Read(slot, d.content, seq, tokens, ctx.pos_max(seq) + 1, root=gen.committed(slot)))
         rows = self.decode_reads(reads)
         gen.peak_used_cells = max(gen.peak_used_cells, ctx.used_cells(range(ctx.n_seq_max)))
@@ -185,7 +198,9 @@ class HelperJudge:
         [len(reads), n_embd]."""
         ctx = self.gen.ctx
         bodies, lasts, last_of = shared_tokens(reads)
+        before = ctx.llama_seconds
         self.decode_rows(bodies, outputs=False)
+        self.body_seconds_per_token = (ctx.llama_seconds - before) / max(len(bodies), 1)
         with ctx.hidden_states():
             rows = self.decode_rows(lasts, outputs=True)
         self.decoded_tokens += len(bodies) + len(lasts)
@@ -208,7 +223,10 @@ class HelperJudge:
         held = self.held.pop(slot, {}).get(text)
         if held is None:
             return False
-        self.gen.commit_held(slot, *held)
+        self.gen.commit_held(slot, held.seq, held.last_token)
+        # its last token is decoded again at commit, as a commit of its text decodes it; the tokens before it were
+        # decoded in this round's bodies, at their mean cost
+        self.committed_seconds += held.body_tokens * self.body_seconds_per_token
         return True
 
     def candidate_hidden(self, slot: int, steps: list[str]) -> np.ndarray:

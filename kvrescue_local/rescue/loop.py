@@ -189,8 +189,6 @@ class Rescue:
                 continue  # their slots take the next problems first
             if not flying:
                 return
-            for gen in self.sides.values():
-                gen.flush()
             for solving in self.round(list(flying.values()), on_step):
                 yield self.end(flying.pop(solving.slot))
 
@@ -213,8 +211,10 @@ class Rescue:
         """One round of every problem in flight; returns those that finished."""
         started = time.perf_counter()
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
-        judged_before = self.judged_seconds
+        judged_before, committed_before = self.judged_seconds, self.committed_from_reads_seconds
         prm_before = self.prm_seconds
+        for gen in self.sides.values():  # the prompts and last round's commits, charged as this round's work
+            gen.flush()
         for s in flying:
             s.drafts = []
         for side_index, (name, gen) in enumerate(self.sides.items()):
@@ -225,9 +225,12 @@ class Rescue:
         self.score([s for s in flying if sum(not c.killed for c in s.drafts) > 1])
         finished = [s for s in flying if self.advance(s, on_step)]
         costs = {f"llama_{name}": g.llama_seconds - llama_before[name] for name, g in self.sides.items()}
-        if "llama_helper" in costs:  # the helper context's time scoring is the PRM's
-            costs["llama_helper"] -= self.judged_seconds - judged_before
-        costs["prm"] = self.prm_seconds - prm_before
+        # the helper context's time scoring is the PRM's, but for the base winners' tokens it read, which the
+        # helper commits with any choice: those are the helper's, as a commit of their text would be
+        committed = self.committed_from_reads_seconds - committed_before
+        if "llama_helper" in costs:
+            costs["llama_helper"] -= self.judged_seconds - judged_before - committed
+        costs["prm"] = self.prm_seconds - prm_before - committed
         costs["total"] = time.perf_counter() - started
         for s in flying:  # a round's work is shared: each problem in it is charged an equal part
             s.charge({k: v / len(flying) for k, v in costs.items()})
@@ -327,6 +330,11 @@ class Rescue:
     def judged_seconds(self) -> float:
         """The helper context's llama.cpp time spent scoring (`--prm helper`) so far."""
         return self.scorer.llama_seconds if isinstance(self.scorer, HelperJudge) else 0.0
+
+    @property
+    def committed_from_reads_seconds(self) -> float:
+        """The part of `judged_seconds` that decoded steps since committed from where they were read."""
+        return self.scorer.committed_seconds if isinstance(self.scorer, HelperJudge) else 0.0
 
     def peak_kv_bytes(self) -> dict[str, int]:
         """The most KV bytes each context held at the end of a round so far (base, helper, PRM; with `--prm helper`
