@@ -214,6 +214,18 @@ def winner(step):
     return next(c for c in step.candidates if c.side == step.source and c.text == step.text)
 
 
+def test_a_model_given_beside_a_preset_is_named_after_the_preset_note(tiny_prm_path):
+    """The preset's note describes its own models: one given in place of the preset's is named after it."""
+    notes = []
+    options = {"preset": "tiny", "base": None, "helper": None, "prm": str(tiny_prm_path)}
+    select_models(options, True, True, note=notes.append)
+    assert notes[0].startswith("preset tiny: ")
+    assert notes[1:] == [f"prm: {tiny_prm_path} (--prm), in place of the preset's"]
+    notes.clear()
+    select_models({**options, "prm": None}, True, True, note=notes.append)
+    assert len(notes) == 1
+
+
 def test_two_models_load_and_a_head_of_another_file_or_format_is_refused(base_path, helper_path, tiny_prm_path,
                                                                         head_file, tmp_path, monkeypatch):
     loaded = []
