@@ -114,8 +114,9 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         preset = load_preset(options["preset"])
         if preset.note:
             note(f"preset {preset.name}: {preset.note}")
-        for role in (r for r, need in needed.items() if need and options.get(r)):  # the note describes the preset's
-            note(f"{role}: {options[role]} (--{role}), in place of the preset's")
+        for role, need in needed.items():  # the note describes the preset's own models
+            if need and options.get(role) and options[role] != str(getattr(preset, role)):
+                note(f"{role}: {options[role]} (--{role}), in place of the preset's")
     paths = {role: given[role] or (getattr(preset, role) if preset else None) for role in given}
     # a preset's head may ship apart from its backbone; a --prm backbone has its head beside it unless one is given
     if paths["prm"] == HELPER:
