@@ -12,6 +12,7 @@ import ctypes
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -28,6 +29,8 @@ from .paths import CACHE
 # them -> llama_ftype (include/llama.h)
 WEIGHT_TYPES = {"F16": 1, "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15, "Q4_0": 2, "Q3_K_M": 12, "Q2_K": 10}
 UNQUANTIZED = {0: "F32", 1: "F16", 32: "BF16"}  # general.file_type values whose weights are not quantized
+GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+GGUF_STRING, GGUF_ARRAY = 8, 9  # gguf_type (ggml/include/gguf.h)
 QUANTIZED_DIR = CACHE / "models" / "quantized"  # in presets.MODELS_CACHE
 PROGRESS = re.compile(rb"^\[\s*(\d+)/\s*(\d+)\]")  # llama.cpp logs "[  12/ 291] name - [shape], type = ..." per tensor
 REQUANTIZE_COST = ("requantizing compounds two roundings of every weight, so the result is worse than the same type "
@@ -37,18 +40,54 @@ REQUANTIZE_COST = ("requantizing compounds two roundings of every weight, so the
 def file_type(path: Path) -> str:
     """The GGUF's weight type as llama.cpp names it (general.file_type, e.g. "Q4_K_M", "F16"); a file without the
     key is named by its most common type among matrices."""
-    reader = read_gguf(path)
-    field = reader.fields.get("general.file_type")
-    if field is not None:
-        value = int(field.parts[-1][0])
+    value = metadata_scalar(path, "general.file_type")
+    if value is not None:
         if value in UNQUANTIZED:
             return UNQUANTIZED[value]
         try:
             return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
         except ValueError:
             return f"file type {value}"
-    matrices = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
+    matrices = Counter(t.tensor_type.name for t in read_gguf(path).tensors if len(t.shape) > 1)
     return matrices.most_common(1)[0][0] if matrices else "F32"
+
+
+def metadata_scalar(path: Path, key: str) -> int | float | bool | None:
+    """One numeric metadata value of a GGUF (v2 or v3), None where the file lacks the key. It walks the header's
+    key-value pairs and stops at the key: gguf.GGUFReader maps every field first, 150k tokenizer strings of a
+    real model included, 10 s or more on a busy core for one number."""
+    try:
+        with open(path, "rb") as f:
+            magic, version, _n_tensors, n_fields = struct.unpack("<4sIQQ", f.read(24))
+            if magic != b"GGUF" or version not in (2, 3):
+                raise ValueError(f"magic {magic!r}, version {version}")
+            for _ in range(n_fields):
+                name = f.read(_unpack(f, "<Q")).decode()
+                value_type = _unpack(f, "<I")
+                if name == key and value_type in GGUF_SCALARS:
+                    return _unpack(f, GGUF_SCALARS[value_type])
+                _skip_value(f, value_type)
+    except (ValueError, struct.error, OSError) as exc:
+        raise unreadable_gguf(path, exc) from None
+    return None
+
+
+def _unpack(f, fmt: str):
+    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+
+def _skip_value(f, value_type: int, count: int = 1) -> None:
+    if value_type in GGUF_SCALARS:
+        f.seek(count * struct.calcsize(GGUF_SCALARS[value_type]), os.SEEK_CUR)
+    elif value_type == GGUF_STRING:
+        for _ in range(count):
+            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+    elif value_type == GGUF_ARRAY:
+        for _ in range(count):
+            item_type = _unpack(f, "<I")
+            _skip_value(f, item_type, _unpack(f, "<Q"))
+    else:
+        raise ValueError(f"unknown metadata type {value_type}")
 
 
 def tensor_types(path: Path) -> Counter:
@@ -60,8 +99,12 @@ def read_gguf(path: Path) -> gguf.GGUFReader:
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, OSError) as exc:
-        raise KVRescueError(f"{path} is not a readable GGUF model ({exc.__class__.__name__}): pass a .gguf file "
-                            "(a download that finished, a conversion that succeeded)") from None
+        raise unreadable_gguf(path, exc) from None
+
+
+def unreadable_gguf(path: Path, exc: Exception) -> KVRescueError:
+    return KVRescueError(f"{path} is not a readable GGUF model ({exc.__class__.__name__}): pass a .gguf file "
+                         "(a download that finished, a conversion that succeeded)")
 
 
 def is_quantized(name: str) -> bool:

@@ -67,6 +67,33 @@ def test_a_quantized_source_is_refused_unless_requantizing_is_allowed(q8_base, t
     assert quantize.file_type(out) == "Q4_0"
 
 
+def test_a_gguf_header_scalar_is_read_past_arrays_and_a_file_without_its_type_is_named_by_its_matrices(tmp_path):
+    import gguf
+
+    path = tmp_path / "untyped.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("general.name", "untyped")
+    writer.add_uint32("test.count", 7)
+    writer.add_float32("test.eps", 0.25)
+    writer.add_tensor("w", np.zeros((4, 8), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    fields = quantize.read_gguf(path).fields
+    for key in ("test.count", "test.eps"):
+        assert quantize.metadata_scalar(path, key) == fields[key].parts[-1][0]
+    assert quantize.metadata_scalar(path, "general.file_type") is None
+    assert quantize.file_type(path) == "F16"
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(quantize.KVRescueError, match="not a readable GGUF model"):
+        quantize.metadata_scalar(truncated, "test.count")
+
+
 def test_a_bad_weight_type_is_one_error_line(base_path, tmp_path):
     result = invoke("models", "quantize", base_path, "--type", "Q7_K", "--out", tmp_path / "x.gguf")
     assert "Q7_K" in one_error_line(result) and "Q4_K_M" in result.output
