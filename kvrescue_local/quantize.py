@@ -118,8 +118,10 @@ def check_weight_type(name: str, option: str = "--type") -> str:
 
 
 def check_source(src: Path, weight_type: str, allow_requantize: bool) -> str:
-    """The source's type; refused: a missing file, an already quantized source without allow_requantize."""
+    """The source's type; refused: a missing file, one cut short (the full read checks every tensor's bounds,
+    seconds beside the quantizer's minutes), an already quantized source without allow_requantize."""
     check_input_file(src, "the source model")
+    read_gguf(src)
     source_type = file_type(src)
     if is_quantized(source_type) and not allow_requantize:
         raise KVRescueError(f"{src.name} is already {source_type}: {REQUANTIZE_COST}")
