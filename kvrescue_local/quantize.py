@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import mmap
 import signal
 import struct
 import subprocess
@@ -21,6 +22,7 @@ from typing import Callable
 
 import gguf
 
+from . import gguf_header
 from .errors import KVRescueError
 from .files import check_input_file, write_replacing
 from .paths import CACHE
@@ -29,8 +31,6 @@ from .paths import CACHE
 # them -> llama_ftype (include/llama.h)
 WEIGHT_TYPES = {"F16": 1, "Q8_0": 7, "Q6_K": 18, "Q5_K_M": 17, "Q4_K_M": 15, "Q4_0": 2, "Q3_K_M": 12, "Q2_K": 10}
 UNQUANTIZED = {0: "F32", 1: "F16", 32: "BF16"}  # general.file_type values whose weights are not quantized
-GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-GGUF_STRING, GGUF_ARRAY = 8, 9  # gguf_type (ggml/include/gguf.h)
 QUANTIZED_DIR = CACHE / "models" / "quantized"  # in presets.MODELS_CACHE
 PROGRESS = re.compile(rb"^\[\s*(\d+)/\s*(\d+)\]")  # llama.cpp logs "[  12/ 291] name - [shape], type = ..." per tensor
 REQUANTIZE_COST = ("requantizing compounds two roundings of every weight, so the result is worse than the same type "
@@ -53,41 +53,15 @@ def file_type(path: Path) -> str:
 
 
 def metadata_scalar(path: Path, key: str) -> int | float | bool | None:
-    """One numeric metadata value of a GGUF (v2 or v3), None where the file lacks the key. It walks the header's
-    key-value pairs and stops at the key: gguf.GGUFReader maps every field first, 150k tokenizer strings of a
-    real model included, 10 s or more on a busy core for one number."""
+    """One numeric metadata value of a GGUF, None where the file lacks the key (gguf_header: it stops there)."""
     try:
-        with open(path, "rb") as f:
-            magic, version, _n_tensors, n_fields = struct.unpack("<4sIQQ", f.read(24))
-            if magic != b"GGUF" or version not in (2, 3):
-                raise ValueError(f"magic {magic!r}, version {version}")
-            for _ in range(n_fields):
-                name = f.read(_unpack(f, "<Q")).decode()
-                value_type = _unpack(f, "<I")
-                if name == key and value_type in GGUF_SCALARS:
-                    return _unpack(f, GGUF_SCALARS[value_type])
-                _skip_value(f, value_type)
-    except (ValueError, struct.error, OSError) as exc:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            for name, kind, at, _ in gguf_header.metadata(data):
+                if name == key and kind in gguf_header.SCALAR_FORMATS:
+                    return gguf_header.scalar(data, at, kind)
+    except (KVRescueError, ValueError, struct.error, OSError) as exc:
         raise unreadable_gguf(path, exc) from None
     return None
-
-
-def _unpack(f, fmt: str):
-    return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
-
-
-def _skip_value(f, value_type: int, count: int = 1) -> None:
-    if value_type in GGUF_SCALARS:
-        f.seek(count * struct.calcsize(GGUF_SCALARS[value_type]), os.SEEK_CUR)
-    elif value_type == GGUF_STRING:
-        for _ in range(count):
-            f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
-    elif value_type == GGUF_ARRAY:
-        for _ in range(count):
-            item_type = _unpack(f, "<I")
-            _skip_value(f, item_type, _unpack(f, "<Q"))
-    else:
-        raise ValueError(f"unknown metadata type {value_type}")
 
 
 def tensor_types(path: Path) -> Counter:

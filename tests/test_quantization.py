@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvrescue_local import quantize
-from kvrescue_local.bench.results_file import gguf_index_end
+from kvrescue_local.gguf_header import index_end
 from kvrescue_local.cli import main
 from kvrescue_local.runtime import Context, ContextParams, Model
 from kvrescue_local.runtime.context import CACHE_TYPES, kv_bytes_per_cell
@@ -103,7 +103,7 @@ def test_a_bad_weight_type_is_one_error_line(base_path, tmp_path):
 def test_a_broken_source_is_one_error_line_and_leaves_nothing(base_path, tmp_path):
     broken = tmp_path / "broken.gguf"
     data = base_path.read_bytes()
-    broken.write_bytes(data[:gguf_index_end(data) + 4096])  # the header whole, the tensors cut off
+    broken.write_bytes(data[:index_end(data) + 4096])  # the header whole, the tensors cut off
     out = tmp_path / "out" / "x.gguf"
     out.parent.mkdir()
     result = invoke("models", "quantize", broken, "--type", "Q8_0", "--out", out)

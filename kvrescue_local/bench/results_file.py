@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from .. import gguf_header
 from ..errors import KVRescueError
 from ..files import check_input_file, results_target
 from ..prm import head_path
@@ -43,8 +44,6 @@ NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "prompt", "n_gpu_laye
 # what a setup records of its axes (the KV cache types and their bytes, the base's weights): part of the row's
 # configuration, so never compared as a setting
 AXIS_RECORDS = ("kv", "weights")
-GGUF_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-GGUF_STRING, GGUF_ARRAY = 8, 9
 
 
 # --- one writer, a clean tail ----------------------------------------------------------------------
@@ -180,49 +179,14 @@ def read_rows(path: Path) -> list[dict]:
 
 # --- what produced a row ----------------------------------------------------------------------------
 
-def gguf_index_end(data) -> int:
-    """Offset just past a GGUF file's metadata and tensor index (where the tensor data begins, less padding)."""
-    if data[:4] != b"GGUF":
-        raise KVRescueError("not a GGUF file")
-    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
-    offset = 24
-
-    def skip_string(at: int) -> int:
-        (length,) = struct.unpack_from("<Q", data, at)
-        return at + 8 + length
-
-    def skip_value(at: int, kind: int) -> int:
-        if kind == GGUF_STRING:
-            return skip_string(at)
-        if kind == GGUF_ARRAY:
-            item_kind, count = struct.unpack_from("<IQ", data, at)
-            at += 12
-            if item_kind in GGUF_VALUE_SIZES:
-                return at + count * GGUF_VALUE_SIZES[item_kind]
-            for _ in range(count):
-                at = skip_value(at, item_kind)
-            return at
-        return at + GGUF_VALUE_SIZES[kind]
-
-    for _ in range(n_kv):
-        offset = skip_string(offset)
-        (kind,) = struct.unpack_from("<I", data, offset)
-        offset = skip_value(offset + 4, kind)
-    for _ in range(n_tensors):
-        offset = skip_string(offset)
-        (n_dims,) = struct.unpack_from("<I", data, offset)
-        offset += 4 + 8 * n_dims + 4 + 8
-    return offset
-
-
 @functools.cache
 def _fingerprint(path: Path, size: int, mtime_ns: int) -> str:
     if size == 0:
         return hashlib.sha256(b"").hexdigest()[:16]
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         try:
-            end = gguf_index_end(data)
-        except (struct.error, KeyError, KVRescueError):
+            end = gguf_header.index_end(data)
+        except (struct.error, ValueError, KVRescueError):
             end = min(size, 1 << 20)  # not a readable GGUF (a reward head, a broken file): its first MiB
         return hashlib.sha256(data[:end]).hexdigest()[:16]
 
