@@ -15,8 +15,10 @@ full-KV text; `--write` stores the thresholds with the coder preset.
 
 Usage:
   KVRESCUE_THREADS=1 nice python3 perf/calibrate_real.py collect --stats cal.jsonl --problems 8
+  KVRESCUE_THREADS=1 python3 perf/calibrate_real.py collect --stats long-0.jsonl --datasets math500 --problems 10 \
+      --budgets 64 --max-tokens 4096 --shard 0/2    # and --shard 1/2 into long-1.jsonl, side by side
   python3 perf/calibrate_real.py replay results/coder-math500-table.jsonl --stats replay.jsonl
-  python3 perf/calibrate_real.py fit --stats cal.jsonl [--write models/coder/detector.json]
+  python3 perf/calibrate_real.py fit --stats cal.jsonl [more.jsonl ...] [--write models/coder/detector.json]
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from kvrescue_local.bench.datasets import load_dataset
+from kvrescue_local.bench.run import parse_shard
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.detect import Detector, DetectorParams, compression_ratio
 from kvrescue_local.detect.calibrate import MIN_SEPARABILITY, load_params, otsu_threshold, save_params
+from kvrescue_local.errors import KVRescueError
 from kvrescue_local.eviction import KVBudget
 from kvrescue_local.presets import MODELS_CACHE
 from kvrescue_local.rescue import Rescue, RescueConfig, longest_prompt
@@ -40,8 +44,8 @@ from kvrescue_local.runtime import Model
 WATCH_ONLY = DetectorParams(tau_entropy=1e6, tau_compression=1e-6)  # record the signals, kill nothing
 
 
-def settings(budgets: list[int]) -> dict[str, RescueConfig]:
-    common = dict(n=1, max_tokens=384, max_step_tokens=256, temperature=0.7, top_p=0.8)
+def settings(budgets: list[int], max_tokens: int) -> dict[str, RescueConfig]:
+    common = dict(n=1, max_tokens=max_tokens, max_step_tokens=256, temperature=0.7, top_p=0.8)
     out = {"full": RescueConfig(mode="full", **common)}
     for b in budgets:
         out[f"bon@{b}"] = RescueConfig(mode="bon", kv=KVBudget(budget=b, buffer=128, policy="rkv"), **common)
@@ -55,7 +59,9 @@ def collect(args) -> None:
         done = {(r["dataset"], r["id"], r["setting"]) for r in map(json.loads, args.stats.read_text().splitlines())}
     per_dataset = [[(name, p) for p in load_dataset(name, limit=args.problems).problems] for name in args.datasets.split(",")]
     problems = [pair for row in zip(*per_dataset) for pair in row]  # datasets alternate: a stopped run covers each
-    configs = settings([int(b) for b in args.budgets.split(",")])
+    index, count = args.shard
+    problems = problems[index::count]  # processes of one thread each share the cores without competing
+    configs = settings([int(b) for b in args.budgets.split(",")], args.max_tokens)
     reserve = longest_prompt(RescueConfig(), [model], [p.problem for _, p in problems])
     engines = {}
     for label, config in configs.items():
@@ -150,7 +156,7 @@ MAX_FALSE_KILLS = 1.0  # % of full-KV candidates a fitted threshold may kill; ab
 
 
 def fit(args) -> None:
-    rows = [json.loads(line) for line in args.stats.read_text().splitlines()]
+    rows = [json.loads(line) for path in args.stats for line in path.read_text().splitlines()]
     defaults = DetectorParams()
     # each signal only where it was measured: a full entropy window, a full text window (zstd checked)
     # replayed lines (`replay`) carry no entropy
@@ -195,6 +201,13 @@ def fit(args) -> None:
         print(f"wrote {save_params(fitted, args.write)}")
 
 
+def shard(text: str) -> tuple[int, int]:
+    try:
+        return parse_shard(text)
+    except KVRescueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,13 +217,15 @@ def main() -> None:
     c.add_argument("--datasets", default="gsm8k,math500")
     c.add_argument("--problems", type=int, default=8, help="first PROBLEMS of each dataset")
     c.add_argument("--budgets", default="64,128")
+    c.add_argument("--max-tokens", type=int, default=384, help="a trajectory's length cap (base tokens)")
+    c.add_argument("--shard", type=shard, default=(0, 1), metavar="I/N", help="every Nth problem from the Ith")
     r = sub.add_parser("replay")
     r.add_argument("results", type=Path, nargs="+")
     r.add_argument("--base", type=Path, default=MODELS_CACHE / "coder-1.5b.gguf", help="the tokenizer the base used")
     r.add_argument("--detector", type=Path, default=Path(__file__).parent.parent / "models/coder/detector.json")
     r.add_argument("--stats", type=Path, required=True)
     f = sub.add_parser("fit")
-    f.add_argument("--stats", type=Path, required=True)
+    f.add_argument("--stats", type=Path, nargs="+", required=True, help="lines of `collect` or `replay`")
     f.add_argument("--write", type=Path, help="store the fitted thresholds here (JSON)")
     args = parser.parse_args()
     {"collect": collect, "replay": replay, "fit": fit}[args.command](args)
