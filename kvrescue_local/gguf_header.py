@@ -16,13 +16,17 @@ SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f",
                   12: "<d"}  # gguf_type (ggml/include/gguf.h) -> struct format
 STRING, ARRAY = 8, 9
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count
+VERSIONS = (2, 3)  # 64-bit counts and lengths (version 1 had 32-bit ones)
 
 
 def metadata(data) -> Iterator[tuple[str, int, int, int]]:
     """(key, gguf_type, offset of the value, offset past it) of each metadata pair of a GGUF buffer, in file
-    order; struct.error where the buffer ends early, KVRescueError where it is no GGUF."""
+    order; struct.error where the buffer ends early, KVRescueError where it is no GGUF of a known version."""
     if data[:4] != b"GGUF":
         raise KVRescueError("not a GGUF file")
+    (version,) = struct.unpack_from("<I", data, 4)
+    if version not in VERSIONS:
+        raise KVRescueError(f"GGUF version {version}: this reader knows {VERSIONS}")
     (n_fields,) = struct.unpack_from("<Q", data, 16)
     at = HEADER_BYTES
     for _ in range(n_fields):

@@ -9,9 +9,9 @@ stem, its fingerprint and the type, so one source is quantized once per type how
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import re
-import mmap
 import signal
 import struct
 import subprocess

@@ -92,6 +92,10 @@ def test_a_gguf_header_scalar_is_read_past_arrays_and_a_file_without_its_type_is
     truncated.write_bytes(path.read_bytes()[:60])
     with pytest.raises(quantize.KVRescueError, match="not a readable GGUF model"):
         quantize.metadata_scalar(truncated, "test.count")
+    version_one = tmp_path / "v1.gguf"  # 32-bit counts: read as version 3 it would yield garbage keys
+    version_one.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + path.read_bytes()[8:])
+    with pytest.raises(quantize.KVRescueError, match="not a readable GGUF model"):
+        quantize.metadata_scalar(version_one, "test.count")
 
 
 def test_a_bad_weight_type_is_one_error_line(base_path, tmp_path):
