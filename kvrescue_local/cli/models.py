@@ -58,7 +58,7 @@ def models_quantize(src: Path, weight_type: str, out: Path | None, allow_requant
             click.echo(f"{out} is already in the cache ({file_type(out)}, {out.stat().st_size / 2**20:.2f} MiB)")
             return
         out.parent.mkdir(parents=True, exist_ok=True)
-    check_writable(out, "--out", special=False)
+    check_writable(out, "--out", special=False, reads=[("SRC", src)])
     started = time.perf_counter()
     with tensor_progress(f"{src.name} {source_type} -> {weight_type}", out) as on_tensor:
         quantize(src, out, weight_type, allow_requantize, progress=on_tensor)
