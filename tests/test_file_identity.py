@@ -214,7 +214,8 @@ def test_report_never_writes_its_page_over_what_it_reads(toy_results, trajectory
     r = copy_of(toy_results, tmp_path, "r.jsonl")
     os.link(r, tmp_path / "r-link.jsonl")
     (tmp_path / "t-link.json").symlink_to(t.name)
-    for args, says in ((["--html", t, "--out", t], "--out"), (["--html", t, "--out", tmp_path / "t-link.json"], "--out"),
+    for args, says in ((["--html", t, "--out", t], "--out"),
+                       (["--html", t, "--out", tmp_path / "t-link.json"], "--out"),
                        ([r, "--html", t, "--out", tmp_path / "r-link.jsonl"], "--out"),
                        ([t.with_suffix(".html"), "--html", t], "--html")):
         if not Path(args[0]).exists():

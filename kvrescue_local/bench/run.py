@@ -155,7 +155,8 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
               on_cut: Callable[[int], None] | None = None, bases: dict[str, Model] | None = None,
               on_changed: Callable[[int], None] | None = None) -> int:
     """Run what is not done yet; returns the number of lines written. on_cut hears of a partial last line cut
-    off (bytes) before resuming, on_changed of the problems run again because their rows solved other text. `bases`: the base model of each weights label of the axes ("" : models.base)."""
+    off (bytes) before resuming, on_changed of the problems run again because their rows solved other text.
+    `bases`: the base model of each weights label of the axes ("" : models.base)."""
     label, problems = dataset.label, dataset.problems
     bases = {"": models.base, **(bases or {})}
 
