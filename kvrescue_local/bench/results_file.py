@@ -108,7 +108,7 @@ def lock_holder(handle) -> str | None:
     for line in lines:
         fields = line.split()
         if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode]:
-            return fields[4]
+            return fields[4] if fields[4] != "0" else None  # 0: a process outside this PID namespace
     return None
 
 

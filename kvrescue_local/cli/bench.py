@@ -84,7 +84,8 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     caches = cache_axis(cache_types, template, options)
     base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}
     check_writable(results, "--results", special=False,
-                   reads=[*((MODEL_OPTIONS.get(role, role), path) for role, path in selection.paths.items()),
+                   reads=[*((MODEL_OPTIONS.get(role, role), path) for role, path in selection.paths.items()
+                            if isinstance(path, Path)),  # not `--prm helper`'s name
                           *(("--bases", path) for path in base_files.values())])
     axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, list(base_files) or [""], caches)
     # refuses a bad budget, policy, N or cache type before any model is loaded
