@@ -7,41 +7,20 @@ import errno
 import json
 import os
 import shutil
-import subprocess
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from test_hardening import FAST, PROBLEM, invoke, one_error_line
+from test_reliability import held_by_another_process
 
 from kvrescue_local.bench import run as bench_run
 from kvrescue_local.bench.report import load_results, render
 from kvrescue_local.bench.results_file import read_rows, writing
-from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.paths import SHIPPED_MODELS
 
-FAST = ["--preset", "toy", "-t", "1", "--max-tokens", "24", "--max-step-tokens", "12"]
-PROBLEM = "a=8 b=6 c=5"
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result) -> str:
-    """Failed with exactly one `Error:` line and no traceback."""
-    assert result.exit_code != 0, result.output
-    assert isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, result.output
-    return errors[0]
-
-
-def sweep(results, *extra, limit=2, modes="full"):
-    return invoke("bench", "run", "--dataset", "toy", "--limit", limit, "--modes", modes, "--ns", 1, *FAST,
+def sweep(results, *extra, limit=2):
+    return invoke("bench", "run", "--dataset", "toy", "--limit", limit, "--modes", "full", "--ns", 1, *FAST,
                   "--results", results, *extra)
 
 
@@ -60,22 +39,6 @@ def copy_of(source: Path, tmp_path: Path, name: str) -> Path:
     return out
 
 
-@contextmanager
-def held_by_another_process(results: Path):
-    """A child process holding the one-writer lock of results; yields it."""
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from kvrescue_local.bench.results_file import writing\n"
-         "with writing(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(120)", str(results)],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        yield holder
-    finally:
-        holder.kill()
-        holder.wait()
-
-
 # --- 1. merge holds the output's lock before it reads ----------------------------------------------
 
 def test_merge_holds_the_outputs_lock_while_it_reads(toy_results, tmp_path, monkeypatch):
@@ -83,7 +46,7 @@ def test_merge_holds_the_outputs_lock_while_it_reads(toy_results, tmp_path, monk
     read (before, the writer's rows were appended and then replaced by the merge)."""
     a = copy_of(toy_results, tmp_path, "a.jsonl")
     b = copy_of(toy_results, tmp_path, "b.jsonl")
-    appended = {"row": None, "refused": None}
+    appended = {"refused": None}
     reading = bench_run.read_rows
 
     def read_while_another_writer_comes(path):
@@ -93,7 +56,6 @@ def test_merge_holds_the_outputs_lock_while_it_reads(toy_results, tmp_path, monk
                     row = {**read_rows(a)[0], "id": "appended-meanwhile"}
                     with a.open("a") as out:
                         out.write(json.dumps(row) + "\n")
-                    appended["row"] = row
                     appended["refused"] = False
             except KVRescueError as exc:
                 appended["refused"] = str(exc)
