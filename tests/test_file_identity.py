@@ -117,6 +117,17 @@ def test_a_lock_on_a_file_not_there_yet_is_taken_by_every_name(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl"], "no empty results file left behind"
 
 
+def test_an_empty_file_the_lock_made_that_cannot_be_removed_is_a_warning(tmp_path, monkeypatch, capsys):
+    fresh = tmp_path / "fresh.jsonl"
+
+    def read_only_folder(self, missing_ok=False):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    with writing(fresh):
+        monkeypatch.setattr(Path, "unlink", read_only_folder)
+    assert "could not remove the empty" in capsys.readouterr().err and fresh.read_bytes() == b""
+
+
 # --- 13. a folder made read-only while a sweep runs ------------------------------------------------
 
 def test_a_folder_made_read_only_mid_run_keeps_rc_0(tmp_path, monkeypatch):
@@ -188,6 +199,13 @@ def test_report_never_writes_its_page_over_what_it_reads(toy_results, trajectory
         assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_report_never_writes_a_figure_over_a_results_file_it_reads(toy_results, tmp_path):
+    named_as_a_figure = copy_of(toy_results, tmp_path, "pass1_vs_budget.png")
+    message = one_error_line(invoke("report", named_as_a_figure, "--plots", tmp_path))
+    assert "--plots" in message and "is the file read as RESULTS" in message
+    assert named_as_a_figure.read_bytes() == toy_results.read_bytes()
+
+
 def test_solve_never_writes_its_record_over_its_problem_file(tmp_path):
     problem = tmp_path / "problem.txt"
     problem.write_text(PROBLEM)
@@ -219,6 +237,21 @@ def test_quantize_never_writes_over_its_source(tmp_path):
     message = one_error_line(invoke("models", "quantize", source, "--type", "Q8_0", "--out", tmp_path / "again.gguf"))
     assert "--out" in message and "SRC" in message
     assert source.read_bytes() == weights
+
+
+def test_convert_prm_never_writes_over_its_checkpoint(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    config = checkpoint / "config.json"
+    config.write_text("{}")
+    message = one_error_line(invoke("models", "convert-prm", checkpoint, checkpoint / "config.json"))
+    assert "OUT" in message and "is the file read as SRC" in message
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(b"weights")
+    os.link(weights, checkpoint / "model.head.npz")
+    message = one_error_line(invoke("models", "convert-prm", checkpoint, checkpoint / "model.gguf"))
+    assert "OUT's reward head" in message and "is the file read as SRC" in message
+    assert config.read_text() == "{}" and weights.read_bytes() == b"weights"
 
 
 # --- 4. report counts a row once -------------------------------------------------------------------
