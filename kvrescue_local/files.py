@@ -15,7 +15,7 @@ import os
 import stat
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import KVRescueError
 
@@ -27,9 +27,32 @@ def kind_of(mode: int) -> str:
     return KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
-def output_target(path: str | Path, option: str, special: bool = True) -> tuple[Path, os.stat_result | None]:
+Reads = Iterable[tuple[str, "str | Path | None"]]  # what a command reads: (the option or argument naming it, path)
+
+
+def same_file(a: str | Path | int, b: str | Path | int) -> bool:
+    """Whether two paths (or open file descriptors) name one file, by its identity (device and inode): through
+    symlinks, and a hard link, a bind mount or `./x` name the same file as any other of its names."""
+    try:
+        one, other = os.stat(a), os.stat(b)
+    except (OSError, ValueError):  # not there (or not a path: a hub name), so not a file read
+        return False
+    return (one.st_dev, one.st_ino) == (other.st_dev, other.st_ino)
+
+
+def check_not_read(path: str | Path, option: str, reads: Reads) -> None:
+    """Refuse an output that is one of the files the command reads, by any of its names."""
+    for what, source in reads:
+        if source is not None and same_file(path, source):
+            raise KVRescueError(f"{option} {path} is the file read as {what} ({source}): writing it would replace "
+                                "what the command reads: name another output file")
+
+
+def output_target(path: str | Path, option: str, special: bool = True,
+                  reads: Reads = ()) -> tuple[Path, os.stat_result | None]:
     """Where writing path lands (a symlink's target, followed) and its stat (None: not there yet). Refused: a
-    directory, a missing folder, a block device or socket, and (special=False) a character device or FIFO."""
+    directory, a missing folder, a block device or socket, (special=False) a character device or FIFO, and any
+    file the command reads (`reads`), however it is named: no command writes over its own input."""
     path = Path(path)
     target = Path(os.path.realpath(path))
     try:
@@ -38,6 +61,7 @@ def output_target(path: str | Path, option: str, special: bool = True) -> tuple[
         info = None
     except OSError as exc:
         raise KVRescueError(f"cannot write {option} {path} ({exc.strerror}): choose another path") from None
+    check_not_read(path, option, reads)
     if info is not None and stat.S_ISDIR(info.st_mode):
         raise KVRescueError(f"{option} {path} is a directory: name a file inside it")
     if info is None and not target.parent.is_dir():
@@ -51,11 +75,12 @@ def output_target(path: str | Path, option: str, special: bool = True) -> tuple[
     return target, info
 
 
-def check_writable(path: str | Path, option: str, special: bool = True) -> Path:
+def check_writable(path: str | Path, option: str, special: bool = True, reads: Reads = ()) -> Path:
     """Refuse an output path that cannot be written (missing permission or folder, a directory, /proc, a
-    read-only disk, a block device; a character device or FIFO only where special) before any work."""
+    read-only disk, a block device; a character device or FIFO only where special) or that is a file the
+    command reads, before any work."""
     path = Path(path)
-    target, info = output_target(path, option, special)
+    target, info = output_target(path, option, special, reads)
     if info is not None and not stat.S_ISREG(info.st_mode):
         if not os.access(target, os.W_OK):
             raise KVRescueError(f"cannot write {option} {path} (permission denied): choose another path")
@@ -91,11 +116,12 @@ def write_through(target: Path, data: bytes, fifo: bool, option: str) -> None:
         os.close(fd)
 
 
-def write_output(path: str | Path, data: bytes | str, option: str) -> Path:
-    """The one writer: data into path, atomically for a regular file (see the module's docstring)."""
+def write_output(path: str | Path, data: bytes | str, option: str, reads: Reads = ()) -> Path:
+    """The one writer: data into path, atomically for a regular file (see the module's docstring); never over a
+    file the command reads."""
     if isinstance(data, str):
         data = data.encode("utf-8")
-    target, info = output_target(path, option)
+    target, info = output_target(path, option, reads=reads)
     if info is not None and not stat.S_ISREG(info.st_mode):
         write_through(target, data, stat.S_ISFIFO(info.st_mode), option)
         return Path(path)
@@ -126,11 +152,11 @@ def write_replacing(path: str | Path, option: str) -> AbstractContextManager[Pat
     return replacing(target, info)
 
 
-def write_figure(figure, path: str | Path, option: str) -> Path:
+def write_figure(figure, path: str | Path, option: str, reads: Reads = ()) -> Path:
     """A matplotlib figure through the one writer (its format from the file's suffix, else PNG)."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format=Path(path).suffix.lstrip(".").lower() or "png")
-    return write_output(path, buffer.getvalue(), option)
+    return write_output(path, buffer.getvalue(), option, reads)
 
 
 def results_target(path: str | Path, option: str = "--results") -> Path:

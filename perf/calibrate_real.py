@@ -32,7 +32,7 @@ import numpy as np
 
 from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.bench.run import parse_shard
-from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.bench.results_file import read_rows, writing
 from kvrescue_local.detect import Detector, DetectorParams, compression_ratio
 from kvrescue_local.detect.calibrate import MIN_SEPARABILITY, load_params, otsu_threshold, save_params
 from kvrescue_local.errors import KVRescueError
@@ -53,6 +53,11 @@ def settings(budgets: list[int], max_tokens: int) -> dict[str, RescueConfig]:
 
 
 def collect(args) -> None:
+    with writing(args.stats, "--stats"):  # one collector per stats file, from before it reads what is done
+        collect_locked(args)
+
+
+def collect_locked(args) -> None:
     model = Model(args.base)
     done = set()
     if args.stats.exists():

@@ -1,10 +1,11 @@
 """Option sets drawn by hypothesis for `solve`, `bench run`, `bench merge` and `report` on the toy preset (one
 thread): every run ends with rc 0, or with rc != 0 and one `Error:` line; no traceback, no abort, no hang; and
-no file is created or changed but the outputs the command names.
+no file is created or changed but the outputs the command names. Files by identity, in a section of their own:
+two writers of one results file at once under different names, an output that names an input, special files.
 
 Each command runs in a child forked from one server process that imported the command line once (this file
 run as a script): a child that aborts in llama.cpp is an exit status to report, not the end of the test run,
-and no child pays for Python's start-up. Bounded (60 examples in all) so that CI runs it."""
+and no child pays for Python's start-up. Bounded (60 examples in all, and 32 of files) so that CI runs it."""
 
 import hashlib
 import json
@@ -12,6 +13,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +155,8 @@ def snapshot(folder: Path) -> dict[str, str]:
             out[name] = "link " + os.readlink(path)
         elif path.is_fifo():
             out[name] = "fifo"
+        elif path.is_socket():
+            out[name] = "socket"
         elif path.is_dir():
             out[name] = "dir"
         else:
@@ -160,12 +164,15 @@ def snapshot(folder: Path) -> dict[str, str]:
     return out
 
 
-def check(server, inputs: Path, tmp_path_factory, args: list[str], outputs: list[str]) -> None:
-    """Run args in a fresh copy of the inputs; the checks of the module's docstring."""
+def check(server, inputs: Path, tmp_path_factory, args: list[str], outputs: list[str], prepare=None) -> dict:
+    """Run args in a fresh copy of the inputs (prepare(folder) adds to it); the checks of the module's docstring.
+    Returns the server's answer."""
     work = tmp_path_factory.mktemp("fuzz")
     shutil.rmtree(work)
     shutil.copytree(inputs, work, symlinks=True)
     os.mkfifo(work / "fifo")  # a FIFO nobody reads or writes: it must be refused, never waited on or replaced
+    if prepare is not None:
+        prepare(work)
     models = snapshot(Path(__file__).resolve().parent.parent / "models" / "toy")
     before = snapshot(work)
     done = server.run(args, work)
@@ -187,6 +194,7 @@ def check(server, inputs: Path, tmp_path_factory, args: list[str], outputs: list
         if before[name] in ("fifo", "dir") or before[name].startswith("link"):
             assert after.get(name) == before[name], f"{shown}\n{name} was {before[name]}, is now {after.get(name)}"
     assert snapshot(Path(__file__).resolve().parent.parent / "models" / "toy") == models, shown
+    return done
 
 
 def options(draw, table: dict) -> list[str]:
@@ -273,6 +281,186 @@ def test_drawn_options_end_in_a_result_or_one_error_line(server, inputs, tmp_pat
     @given(strategy)
     def one(args):
         check(server, inputs, tmp_path_factory, args, named_outputs(args))
+
+    one()
+
+
+# === files by identity: concurrent writers, an output naming an input, special files ===================
+# Fixed examples (derandomized): a failure here reproduces as it is.
+
+FILES_RUN = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+                     suppress_health_check=list(HealthCheck))
+WRITERS_RUN = settings(FILES_RUN, max_examples=8)  # two sweeps at once each: about 3 s an example
+# names of one results file r.jsonl, as seen from a subfolder: each writer runs in one of its own
+ALIASES = ["../r.jsonl", "../hard-r.jsonl", "./../r.jsonl", "../adir/../r.jsonl", "../link-r.jsonl",
+           "../link-dir/r.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def second_server():
+    running = Server()
+    yield running
+    running.close()
+
+
+def submit(server, args: list[str], cwd: Path) -> None:
+    server.process.stdin.write(json.dumps({"args": args, "cwd": str(cwd)}) + "\n")
+    server.process.stdin.flush()
+
+
+def answer(server) -> dict:
+    return json.loads(server.process.stdout.readline())
+
+
+def row_keys(path: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["dataset"], r["id"], r["config_key"], r.get("problem_sha256")) for r in rows]
+
+
+@st.composite
+def concurrent_writers(draw):
+    """Two writers of one results file started at once, each naming it its own way: a resumed sweep of three
+    problems (the shards' two and one more), and another such sweep or a merge of the file with shard 1 into it."""
+    first, second = draw(st.permutations(ALIASES))[:2]
+    resumed = ["bench", "run", "--dataset", "toy", "--limit", "3", "--modes", "full,bon", "--ns", "1,2", *FAST,
+               "--resume", "--results"]
+    if draw(st.booleans()):
+        out = draw(st.sampled_from(ALIASES))
+        return [*resumed, first], ["bench", "merge", second, "../shard1.jsonl", "--out", out]
+    return [*resumed, first], [*resumed, second]
+
+
+def test_concurrent_writers_lose_nothing_and_never_write_twice(server, second_server, inputs, tmp_path_factory):
+    """One writer at a time, whatever the name: the other is refused with one `Error:` line naming the one that
+    writes; every row a finished writer wrote is there, no row is there twice."""
+    from kvrescue_local.bench.datasets import load_dataset
+
+    shards = [row_keys(inputs / f"shard{i}.jsonl") for i in (0, 1)]
+    configurations = {key[2] for keys in shards for key in keys}
+    sweep = {("toy", p.id, c) for p in load_dataset("toy", limit=3).problems for c in configurations}
+
+    @WRITERS_RUN
+    @given(concurrent_writers())
+    def one(writers):
+        work = tmp_path_factory.mktemp("writers")
+        shutil.copyfile(inputs / "shard0.jsonl", work / "r.jsonl")
+        shutil.copyfile(inputs / "shard1.jsonl", work / "shard1.jsonl")
+        (work / "adir").mkdir()
+        (work / "link-r.jsonl").symlink_to("r.jsonl")
+        (work / "link-dir").symlink_to(".")
+        os.link(work / "r.jsonl", work / "hard-r.jsonl")
+        folders = [work / "a", work / "b"]
+        for folder, args, running in zip(folders, writers, (server, second_server)):
+            folder.mkdir()
+            submit(running, args, folder)
+        done = [answer(server), answer(second_server)]
+        shown = "\n".join(f"kvrescue-local {' '.join(args)}\n{d['status']}\n{d['output'][-2000:]}"
+                          for args, d in zip(writers, done))
+        for d in done:
+            assert d["status"].startswith("rc "), shown
+            assert "Traceback" not in d["output"], shown
+            if d["status"] != "rc 0":
+                errors = [line for line in d["output"].splitlines() if line.startswith("Error:")]
+                assert len(errors) == 1 and "being written by another process (PID" in errors[0], shown
+        for name in ("r.jsonl", "hard-r.jsonl"):  # one file, until a merge replaces r.jsonl with a new one
+            keys = row_keys(work / name)
+            assert len(keys) == len(set(keys)), f"{shown}\nrows written twice into {name}"
+            assert {key[:3] for key in shards[0]} <= {key[:3] for key in keys}, f"{shown}\nrows lost from {name}"
+        for folder, args, d in zip(folders, writers, done):
+            if d["status"] == "rc 0":  # its rows are in the file it names last (--results or --out)
+                wrote = sweep if args[1] == "run" else {key[:3] for key in shards[1]}
+                present = {key[:3] for key in row_keys(folder / args[-1])}
+                assert wrote <= present, f"{shown}\nrows of a finished writer lost: {sorted(wrote - present)}"
+
+    one()
+
+
+OUTPUT_CASES = {  # command -> (the input it reads, its args with {} where the output goes)
+    "solve": ("other.txt", ["solve", *FAST, "--file", "other.txt", "--json", "{}"]),
+    "report-page": ("trajectory.json", ["report", "--html", "trajectory.json", "--out", "{}"]),
+    "report-results": ("shard0.jsonl", ["report", "shard0.jsonl", "--html", "trajectory.json", "--out", "{}"]),
+    "report-plots": ("shard0.jsonl", ["report", "{}", "--plots", "."]),
+    "bench-run": ("good.jsonl", ["bench", "run", "--data", "good.jsonl", "--modes", "full", "--ns", "1", *FAST,
+                                 "--results", "{}"]),
+    "quantize": ("base.gguf", ["models", "quantize", "base.gguf", "--type", "Q8_0", "--out", "{}"]),
+    "merge": ("shard0.jsonl", ["bench", "merge", "shard0.jsonl", "shard1.jsonl", "--out", "{}"]),
+}
+OUTPUT_ALIASES = ["{}", "./{}", "adir/../{}", "alias-link", "alias-hard"]
+
+
+@st.composite
+def output_naming_an_input(draw):
+    command = draw(st.sampled_from(sorted(OUTPUT_CASES)))
+    source, template = OUTPUT_CASES[command]
+    alias = draw(st.sampled_from(OUTPUT_ALIASES)).format(source)
+    if command == "report-plots":  # the plot it would write is the results file it reads
+        source, alias = "shard0.jsonl", "pass1_vs_budget.png"
+    return command, source, alias, [alias if a == "{}" else a for a in template]
+
+
+def test_no_command_writes_over_a_file_it_reads(server, inputs, tmp_path_factory):
+    """An output that is one of the command's inputs, by any of its names, is refused with one `Error:` line
+    and nothing changes; only `bench merge` may name an input as --out, and then holds every row once."""
+    @FILES_RUN
+    @given(output_naming_an_input())
+    def one(case):
+        command, source, alias, args = case
+
+        def aliases(work: Path) -> None:
+            if command == "quantize":
+                shutil.copyfile(Path(__file__).resolve().parent.parent / "models" / "toy" / "base.gguf",
+                                work / "base.gguf")
+            (work / "alias-link").symlink_to(source)
+            os.link(work / source, work / "alias-hard")
+            if command == "report-plots":
+                os.link(work / source, work / alias)
+
+        outputs = [os.path.normpath(alias)] if command == "merge" else []
+        done = check(server, inputs, tmp_path_factory, args, outputs, prepare=aliases)
+        shown = f"kvrescue-local {' '.join(args)}\n{done['status']}\n{done['output'][-2000:]}"
+        if command == "merge":
+            assert done["status"] == "rc 0", shown
+        else:
+            assert done["status"] != "rc 0" and "is the file read as" in done["output"], shown
+
+    one()
+
+
+SPECIAL = ["sock", "loop", "dangling", "fifo", "/dev/null", "/dev/zero", "/dev/full", "/proc/self/status", "adir"]
+
+
+@st.composite
+def special_files(draw):
+    """Commands whose inputs and outputs are sockets, symlink loops, dangling symlinks, FIFOs, devices and /proc."""
+    special = st.sampled_from(SPECIAL)
+    return draw(st.sampled_from([
+        ["solve", *FAST, "--file", draw(special), "--json", draw(st.sampled_from(["out.json", *SPECIAL]))],
+        ["solve", *FAST, "--json", draw(special), "a=3 b=1"],
+        ["bench", "run", "--dataset", "toy", "--limit", "1", "--modes", "full", "--ns", "1", *FAST,
+         "--results", draw(special)],
+        ["bench", "run", "--data", draw(special), "--modes", "full", "--ns", "1", *FAST, "--results", "r.jsonl"],
+        ["bench", "merge", "shard0.jsonl", draw(special), "--out", "m.jsonl"],
+        ["bench", "merge", "shard0.jsonl", "--out", draw(special), "--force"],
+        ["report", draw(special)],
+        ["report", "--html", draw(special), "--out", draw(st.sampled_from(["page.html", *SPECIAL]))],
+        ["models", "quantize", draw(special), "--type", "Q8_0", "--out", "q.gguf"],
+    ]))
+
+
+def special(work: Path) -> None:
+    """A socket, a symlink loop and a symlink to a file not there yet beside the inputs."""
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(work / "sock"))
+    listening.close()  # the socket file stays: what a server that exited leaves
+    (work / "loop").symlink_to("loop")
+    (work / "dangling").symlink_to("gone.json")
+
+
+def test_special_files_end_in_a_result_or_one_error_line(server, inputs, tmp_path_factory):
+    @FILES_RUN
+    @given(special_files())
+    def one(args):
+        check(server, inputs, tmp_path_factory, args, named_outputs(args), prepare=special)
 
     one()
 

@@ -293,12 +293,12 @@ def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
 def recover(s: Summary, kvrescue: list[dict], bon: list[dict], full: list[dict]) -> None:
     """The accuracy recovered and the base-token ratio, on the problems all three configurations ran (a sweep
     in progress has more rows of some than of others)."""
-    correct = [correct_by_id(rows) for rows in (kvrescue, bon, full)]
+    correct = [correct_by_problem(rows) for rows in (kvrescue, bon, full)]
     common = set.intersection(*(set(c) for c in correct))
     if not common:
         return
     accuracy = [100.0 * sum(c[i] for i in common) / len(common) for c in correct]
-    base_tokens = [sum(float(r["tokens"].get("base") or 0.0) for r in rows if str(r["id"]) in common)
+    base_tokens = [sum(float(r["tokens"].get("base") or 0.0) for r in rows if problem_of(r) in common)
                    for rows in (kvrescue, bon)]
     s.recovered = accuracy_recovered(*accuracy)
     s.recovered_problems = len(common)
@@ -343,13 +343,19 @@ class Oracle:
     gap_closed: float | None  # % of (full - bon) that the oracle closes
 
 
-def correct_by_id(rows: list[dict]) -> dict[str, bool]:
-    return {str(r["id"]): bool(r["correct"]) for r in rows}
+def problem_of(row: dict) -> tuple[str, str]:
+    """What rows are paired by: the problem's id and, where recorded, the fingerprint of its text and gold answer
+    (rows of one id that solved different text are not the same problem; rows from before fingerprints pair by id)."""
+    return str(row["id"]), row.get("problem_sha256") or ""
 
 
-def paired(groups: dict[ConfigKey, list[dict]], a: ConfigKey, b: ConfigKey) -> tuple[dict, dict, list[str]]:
-    """Each configuration's correctness by problem id, and the ids both ran."""
-    x, y = correct_by_id(groups[a]), correct_by_id(groups[b])
+def correct_by_problem(rows: list[dict]) -> dict[tuple[str, str], bool]:
+    return {problem_of(r): bool(r["correct"]) for r in rows}
+
+
+def paired(groups: dict[ConfigKey, list[dict]], a: ConfigKey, b: ConfigKey) -> tuple[dict, dict, list[tuple[str, str]]]:
+    """Each configuration's correctness by problem (problem_of), and the problems both ran."""
+    x, y = correct_by_problem(groups[a]), correct_by_problem(groups[b])
     return x, y, sorted(set(x) & set(y))
 
 
@@ -372,7 +378,7 @@ def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
         b, h, common = paired(groups, bon, helper)
         if not common:
             continue
-        f = correct_by_id(groups[full]) if full else {}
+        f = correct_by_problem(groups[full]) if full else {}
         pct = lambda flags: 100.0 * sum(flags) / len(common)  # noqa: E731
         oracle = pct(b[i] or h[i] for i in common)
         full_pass1 = pct(f[i] for i in common) if all(i in f for i in common) else None

@@ -18,11 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import KVRescueError
-from ..files import write_figure
+from ..files import Reads, check_not_read, write_figure
 from ..rescue import Mode
 from .metrics import Summary, summaries
 
 COLOURS = {"full": "#333333", "helper": "#e08a1e", "bon": "#c0392b", "kvrescue": "#1f6fb2"}
+PLOTS = ("pass1_vs_budget", "step_sources", "memory_accuracy", "detector_stats")  # each written as PLOT[-dataset].png
 BASE_COLOUR, HELPER_COLOUR, KILLED_COLOUR = "#1f6fb2", "#e08a1e", "#c0392b"
 
 
@@ -203,8 +204,9 @@ def detector_stats(rows: list[dict], path: Path, title: str = "") -> Path | None
     return path
 
 
-def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
-    """Every figure the rows support, one set per dataset; returns the files written."""
+def write_plots(rows: list[dict], out_dir: str | Path, reads: Reads = ()) -> list[Path]:
+    """Every figure the rows support, one set per dataset, never over a file the command reads (`reads`); returns
+    the files written."""
     _figure_class()  # fail before creating the directory
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
@@ -212,20 +214,22 @@ def write_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
     if not out_dir.parent.is_dir():
         raise KVRescueError(f"--plots {out_dir}: the folder {out_dir.parent} does not exist: create it first or "
                             "choose a path in an existing folder")
-    out_dir.mkdir(exist_ok=True)
     datasets = sorted({str(r.get("dataset", "")) for r in rows})
+    paths = {dataset: {plot: out_dir / f"{plot}{_suffix(dataset, len(datasets) > 1)}.png" for plot in PLOTS}
+             for dataset in datasets}
+    for path in (path for named in paths.values() for path in named.values()):
+        check_not_read(path, "--plots", reads)
+    out_dir.mkdir(exist_ok=True)
     written = []
     for dataset in datasets:
         subset = [r for r in rows if str(r.get("dataset", "")) == dataset]
         items = summaries(subset)
-        suffix = _suffix(dataset, len(datasets) > 1)
+        path = paths[dataset]
         name = f" ({dataset})" if dataset else ""
-        for made in (pass1_vs_budget(items, out_dir / f"pass1_vs_budget{suffix}.png", f"pass@1 vs KV budget{name}"),
-                     step_sources(items, out_dir / f"step_sources{suffix}.png",
-                                  f"kvrescue: share of committed steps{name}"),
-                     memory_accuracy(items, out_dir / f"memory_accuracy{suffix}.png", f"pass@1 vs KV memory{name}"),
-                     detector_stats(subset, out_dir / f"detector_stats{suffix}.png",
-                                    f"degeneration detector on base candidates{name}")):
+        for made in (pass1_vs_budget(items, path["pass1_vs_budget"], f"pass@1 vs KV budget{name}"),
+                     step_sources(items, path["step_sources"], f"kvrescue: share of committed steps{name}"),
+                     memory_accuracy(items, path["memory_accuracy"], f"pass@1 vs KV memory{name}"),
+                     detector_stats(subset, path["detector_stats"], f"degeneration detector on base candidates{name}")):
             if made:
                 written.append(made)
     return written

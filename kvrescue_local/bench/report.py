@@ -99,6 +99,21 @@ def load_results(path: str | Path) -> list[dict]:
     return rows
 
 
+def distinct_rows(rows: list[dict]) -> tuple[list[dict], int]:
+    """The rows less repeats, and how many were left out: a row of the problem, configuration, setup and run of one
+    before it is the same result read twice (a file given twice, or a shard given beside the merge holding it),
+    which would count twice in Table 3's problems per minute and in the plots."""
+    seen: set[tuple] = set()
+    out = []
+    for row in rows:
+        engine = row.get("engine") if isinstance(row.get("engine"), dict) else {}
+        key = (config_key(row), json.dumps([row.get("id"), row.get("problem_sha256"), engine.get("run")]))
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out, len(rows) - len(out)
+
+
 # --- rendering -----------------------------------------------------------------------------------
 
 @dataclass
@@ -240,7 +255,8 @@ def once_each(rows: list[dict], pool_setups: bool) -> list[dict]:
     """The first row of each problem and configuration: runs at other concurrencies repeat the same results."""
     first: dict[tuple, dict] = {}
     for row in rows:
-        first.setdefault((row.get("dataset"), row.get("id"), config_key(row, pool_setups)), row)
+        first.setdefault((row.get("dataset"), row.get("id"), row.get("problem_sha256"), config_key(row, pool_setups)),
+                         row)
     return list(first.values())
 
 

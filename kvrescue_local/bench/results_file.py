@@ -1,8 +1,8 @@
 """Results files you can trust: one writer at a time, a clean tail, and rows that say what produced them.
 
-- `writing(path)` holds an exclusive lock (flock on a sidecar `.NAME.lock` beside the file a symlink points
-  at, holding the writer's PID) for as long as a sweep or a merge writes the file; a second writer is
-  refused, naming that PID; the sidecar goes when the writer exits.
+- `writing(path)` holds an exclusive lock (flock on the file itself, so one lock per file whatever names it:
+  a symlink, a hard link, a bind mount) for as long as a sweep or a merge writes the file, and a merge
+  from before it reads; a second writer is refused, naming the PID that holds it.
 - `repair_tail(path)` cuts a partial last line (a crash or a full disk mid-write) before anything is
   appended, so the next row starts on a line of its own.
 - `setup(...)` is what a row records beyond its sweep axes: a fingerprint of each model file it used
@@ -25,13 +25,14 @@ import json
 import mmap
 import os
 import struct
+import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from .. import gguf_header
 from ..errors import KVRescueError
-from ..files import check_input_file, results_target
+from ..files import check_input_file, results_target, same_file
 from ..prm import head_path
 from ..rescue import RescueConfig
 
@@ -51,45 +52,64 @@ AXIS_RECORDS = ("kv", "weights")
 @contextmanager
 def writing(path: Path, option: str = "--results") -> Iterator[None]:
     """Hold the exclusive right to write path; refused (naming the holder's PID) while another process has it.
-    The lock belongs to the file, not its name: a symlink to a results file takes the same lock."""
+    The lock is the file's own (flock on it, made empty if it is not there yet): every name of the file (a
+    symlink, a hard link, a bind mount, `./x`) takes the same one. A file this made and nobody wrote is
+    removed again."""
     target = results_target(path, option)
-    lock = target.with_name(f".{target.name}.lock")
+    handle, made = lock_file(target, path, option)
+    try:
+        yield
+    finally:
+        try:
+            if made and os.fstat(handle.fileno()).st_size == 0 and same_file(handle.fileno(), target):
+                target.unlink()  # while still held: a writer that opened it sees it is gone
+        except OSError as exc:  # a folder made read-only meanwhile: the file stays, empty, and nothing is lost
+            print(f"warning: could not remove the empty {target} ({exc.strerror})", file=sys.stderr)
+        handle.close()
+
+
+def lock_file(target: Path, path: Path, option: str) -> tuple[BinaryIO, bool]:
+    """target opened and flocked (made empty where it is not there: whether it was made comes back too)."""
     while True:
-        handle = lock.open("a+", encoding="utf-8")
+        try:
+            handle, made = open(target, "xb"), True
+        except FileExistsError:
+            try:
+                handle, made = open(target, "rb"), False
+            except FileNotFoundError:  # removed meanwhile by a writer that made it and wrote nothing
+                continue
+        except OSError as exc:
+            raise KVRescueError(f"cannot write {option} {path} ({exc.strerror}): choose a path in a writable "
+                                "folder") from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                handle.close()
-                raise
-            handle.seek(0)
-            holder = handle.read().strip()
+            holder = lock_holder(handle)
             handle.close()
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
             raise KVRescueError(f"{path} is being written by another process (PID {holder or 'unknown'}): wait for "
                                 "it to finish or stop it, or write to another results file and `bench merge` "
                                 "them") from None
-        # a writer that finished meanwhile removed the lock file it held: lock the one now at that name
-        if same_file(handle, lock):
-            break
-        handle.close()
-    try:
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        yield
-    finally:
-        lock.unlink(missing_ok=True)  # while still held: a writer waiting on this file sees it is gone
+        # a writer that finished meanwhile removed or replaced (merge) the file it held: lock the one now there
+        if same_file(handle.fileno(), target):
+            return handle, made
         handle.close()
 
 
-def same_file(handle, path: Path) -> bool:
-    held = os.fstat(handle.fileno())
+def lock_holder(handle) -> str | None:
+    """The PID holding a flock on handle's file, from /proc/locks (Linux; None elsewhere or when it is gone)."""
+    info = os.fstat(handle.fileno())
+    inode = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
     try:
-        there = path.stat()
-    except FileNotFoundError:
-        return False
-    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if fields[1:2] == ["FLOCK"] and fields[5:6] == [inode]:
+            return fields[4] if fields[4] != "0" else None  # 0: a process outside this PID namespace
+    return None
 
 
 def repair_tail(path: Path) -> int:
@@ -175,6 +195,20 @@ def read_rows(path: Path) -> list[dict]:
                                 f"{', '.join(ROW_FIELDS)}): remove that line or write to a new results file")
         rows.append(upgrade(row))
     return rows
+
+
+# --- which problem a row solved ---------------------------------------------------------------------
+
+def problem_fingerprint(problem: str, answer: str) -> str:
+    """A row's `problem_sha256`: the hash of its problem's text and gold answer, so that a row is matched only with
+    the problem it solved (an edited or other --data file of the same name holds other problems under its ids)."""
+    return hashlib.sha256(json.dumps([problem, answer]).encode()).hexdigest()[:16]
+
+
+def row_key(row: dict) -> tuple[str, str, str, str | None]:
+    """What a row is the result of: its problem (id and, where recorded, fingerprint) under its configuration.
+    Rows from before fingerprints were recorded have None there."""
+    return row["dataset"], row["id"], row["config_key"], row.get("problem_sha256")
 
 
 # --- what produced a row ----------------------------------------------------------------------------

@@ -3,7 +3,8 @@ line per pair, resumable.
 
 A configuration's problems run `concurrency` at a time on one engine; each line is flushed as soon as
 its problem finishes, so a crash or Ctrl-C loses at most the problems in flight; `resume` skips the
-(dataset, problem, configuration) triples already there. Rows record the concurrency, the run and the
+(dataset, problem, configuration) triples already there (a row whose problem's text or gold answer differs from
+the data's, by its fingerprint, is not done: it runs again). Rows record the concurrency, the run and the
 wall time since the configuration started in it (problems per minute at that concurrency, `report`'s
 Table 3), never as a setting: results do not depend on it.
 """
@@ -27,12 +28,12 @@ from ..prm import PRM
 from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
 from ..rescue.judge import HelperHead
 from ..runtime import Model
-from .datasets import Dataset
+from .datasets import Dataset, Problem
 from .metrics import DEFAULT_CACHE, result_line
 from ..quantize import file_type
 from ..runtime.context import kv_bytes_per_cell
-from .results_file import (check_same_setup, distinct_setups, read_rows, repair_tail, settings, setup, weights_label,
-                           writing)
+from .results_file import (check_same_setup, distinct_setups, problem_fingerprint, read_rows, repair_tail, row_key,
+                           settings, setup, weights_label, writing)
 
 
 def cache_label(type_k: str, type_v: str) -> str:
@@ -101,8 +102,15 @@ def results_config(axis: Axis, config: RescueConfig) -> dict:
     return {**dataclasses.asdict(axis), **settings(config), "prompt": config.prompt}
 
 
-def done_keys(rows: list[dict]) -> set[tuple[str, str, str]]:
-    return {(r["dataset"], r["id"], r["config_key"]) for r in rows}
+def undone(tasks: list[tuple[Axis, Problem]], label: str, rows: list[dict]) -> tuple[list[tuple[Axis, Problem]], int]:
+    """The tasks no row has done yet, and how many of them have a row of another problem under their id (an edited
+    --data: its text or gold answer differs). A row from before problems were fingerprinted counts as done."""
+    done = {row_key(r) for r in rows}
+    ran = {key[:3] for key in done}
+    todo = [(axis, p) for axis, p in tasks
+            if not {(label, p.id, axis.key, problem_fingerprint(p.problem, p.answer)), (label, p.id, axis.key, None)}
+            & done]
+    return todo, sum((label, p.id, axis.key) in ran for axis, p in todo)
 
 
 def parse_shard(text: str | None) -> tuple[int, int]:
@@ -144,9 +152,11 @@ def axis_setup(axis: Axis, template: RescueConfig, models: Models) -> dict:
 def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models: Models,
               results: Path, resume: bool = False, shard: tuple[int, int] = (0, 1), concurrency: int = 1,
               on_result: Callable[[dict], None] | None = None, on_skip: Callable[[int], None] | None = None,
-              on_cut: Callable[[int], None] | None = None, bases: dict[str, Model] | None = None) -> int:
+              on_cut: Callable[[int], None] | None = None, bases: dict[str, Model] | None = None,
+              on_changed: Callable[[int], None] | None = None) -> int:
     """Run what is not done yet; returns the number of lines written. on_cut hears of a partial last line cut
-    off (bytes) before resuming. `bases`: the base model of each weights label of the axes ("" : models.base)."""
+    off (bytes) before resuming, on_changed of the problems run again because their rows solved other text.
+    `bases`: the base model of each weights label of the axes ("" : models.base)."""
     label, problems = dataset.label, dataset.problems
     bases = {"": models.base, **(bases or {})}
 
@@ -171,12 +181,13 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         for theirs in distinct_setups(rows, results):
             check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results,
                              "resume with the same models and options or write to a new results file")
-        done = done_keys(rows)
         index, count = shard
         tasks = [(axis, p) for axis in axes for p in problems][index::count]
-        todo = [(axis, p) for axis, p in tasks if (label, p.id, axis.key) not in done]
+        todo, changed = undone(tasks, label, rows)
         if on_skip:
             on_skip(len(tasks) - len(todo))
+        if changed and on_changed:
+            on_changed(changed)
         written = 0
         prompt_tokens = longest_prompt(template, [models.base, models.helper], [p.problem for _, p in todo]) if todo else 0
         run_id = uuid.uuid4().hex[:12]
@@ -191,6 +202,7 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
                                        dataset.grade(problem.answer, trajectory.answer), axis.key,
                                        results_config(axis, engine.config), trajectory)
                     line["setup"] = setups[axis]
+                    line["problem_sha256"] = problem_fingerprint(problem.problem, problem.answer)
                     line["engine"] = {"concurrency": concurrency, "flash_attn": engine.config.flash_attn, "run": run_id,
                                       "elapsed": round(time.perf_counter() - started, 4),
                                       "kv_peak_bytes": engine.peak_kv_bytes()}
@@ -231,20 +243,21 @@ def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
     if target.exists() and not force and not any(p.exists() and os.path.samefile(p, target) for p in inputs):
         raise KVRescueError(f"--out {output} already exists and is not one of the inputs: choose a new file, "
                             "list it among the inputs to merge it too, or pass --force to replace it")
-    merged: dict[tuple[str, str, str], dict] = {}
+    merged: dict[tuple, dict] = {}
     setups: list[dict] = []
-    for path in inputs:
-        if not path.exists():
-            raise KVRescueError(f"results file not found: {path}")
-        rows = read_rows(path)
-        if not rows:
-            raise KVRescueError(f"{path} holds no results lines: pass the results files of `bench run` (an empty, "
-                                "binary or cut-off file has none)")
-        for theirs in distinct_setups(rows, path):
-            check_same_setup(theirs, setups, path, "merge only shards of one sweep (same models and options)")
-            setups.append(theirs)
-        for row in rows:
-            merged.setdefault((row["dataset"], row["id"], row["config_key"]), row)
+    # the output's lock before any input is read: a `bench run` appending to it meanwhile would lose its rows
     with writing(output, "--out"):
+        for path in inputs:
+            if not path.exists():
+                raise KVRescueError(f"results file not found: {path}")
+            rows = read_rows(path)
+            if not rows:
+                raise KVRescueError(f"{path} holds no results lines: pass the results files of `bench run` (an "
+                                    "empty, binary or cut-off file has none)")
+            for theirs in distinct_setups(rows, path):
+                check_same_setup(theirs, setups, path, "merge only shards of one sweep (same models and options)")
+                setups.append(theirs)
+            for row in rows:
+                merged.setdefault(row_key(row), row)
         write_output(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()), "--out")
     return len(merged)

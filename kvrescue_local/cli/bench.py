@@ -25,6 +25,7 @@ from .common import DEFAULTS, name_list, note, parse_size, search_options
 from .options import (POSITIVE, CacheTypeList, IntList, Names, PolicySpecs, check_cache_fit, check_kv_sizes,
                       check_prm_ctx)
 
+MODEL_OPTIONS = {"base": "--base", "helper": "--helper", "prm": "--prm", "prm_head": "the PRM's head"}
 DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
 
 
@@ -70,7 +71,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                 allow_requantize, cache_types, results, resume, shard, offline, concurrency, memory, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
-    check_writable(results, "--results", special=False)
+    check_writable(results, "--results", special=False, reads=[("--data", data)])
     data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None, split=split)
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
@@ -82,6 +83,10 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
     caches = cache_axis(cache_types, template, options)
     base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}
+    check_writable(results, "--results", special=False,
+                   reads=[*((MODEL_OPTIONS.get(role, role), path) for role, path in selection.paths.items()
+                            if isinstance(path, Path)),  # not `--prm helper`'s name
+                          *(("--bases", path) for path in base_files.values())])
     axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, list(base_files) or [""], caches)
     # refuses a bad budget, policy, N or cache type before any model is loaded
     configs = [rescue_config(axis, template) for axis in axes]
@@ -137,7 +142,10 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                                 concurrency, on_result=on_result, on_skip=bar.update, bases=base_models,
                                 on_cut=lambda cut: click.echo(f"\ncut a partial last line ({cut} bytes, a crash "
                                                               f"mid-write) from {results}; its problem runs again",
-                                                              err=True))
+                                                              err=True),
+                                on_changed=lambda n: click.echo(f"\n{n} problem{'s' if n > 1 else ''} run again: the "
+                                                                f"data's text or gold answer differs from what the "
+                                                                f"rows of {results} solved", err=True))
         except KeyboardInterrupt:
             # counted in the file: Ctrl-C can land between a row's write and its count
             click.echo(f"\ninterrupted: {len(read_rows(results))} results kept in {results}; continue with --resume",

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 import click
 
-from ..files import check_writable
+from ..files import check_not_read, check_writable
 from ..quantize import WEIGHT_TYPES as WEIGHT_TYPE_NAMES
 from .options import Names
 
@@ -32,6 +32,10 @@ def convert_prm_command(src: Path, out: Path, dtype: str, quantize: str | None) 
     from ..prm import RewardHead, head_path
     from ..prm.convert import convert_prm
 
+    checkpoint = [("SRC", src / name) for name in ("config.json", "tokenizer.json", "tokenizer_config.json")]
+    checkpoint += [("SRC", path) for path in src.glob("*.safetensors")]  # what convert_prm reads
+    check_not_read(out, "OUT", checkpoint)
+    check_not_read(head_path(out), "OUT's reward head", checkpoint)
     started = time.perf_counter()
     gguf = convert_prm(src, out, dtype=dtype, quantize=quantize)
     head = RewardHead.load(head_path(gguf))
@@ -58,7 +62,7 @@ def models_quantize(src: Path, weight_type: str, out: Path | None, allow_requant
             click.echo(f"{out} is already in the cache ({file_type(out)}, {out.stat().st_size / 2**20:.2f} MiB)")
             return
         out.parent.mkdir(parents=True, exist_ok=True)
-    check_writable(out, "--out", special=False)
+    check_writable(out, "--out", special=False, reads=[("SRC", src)])
     started = time.perf_counter()
     with tensor_progress(f"{src.name} {source_type} -> {weight_type}", out) as on_tensor:
         quantize(src, out, weight_type, allow_requantize, progress=on_tensor)

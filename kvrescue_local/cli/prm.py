@@ -12,6 +12,7 @@ import click
 from ..bench.datasets import DATASET_NAMES
 from ..bench.results_file import file_hash
 from ..errors import KVRescueError
+from ..files import check_not_read
 from ..prm import FORMATS
 from ..rescue import MODES
 from ..rescue.judge import HelperJudge
@@ -68,6 +69,7 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
         raise KVRescueError(f"a head on {helper.name} needs --out FILE.head.npz: the {preset} preset's head file is "
                             "trained on its own helper")
     out = out or head_file(preset, fmt)
+    check_not_read(out, "--out", [*(("--rollouts", path) for path in rollouts), ("--helper", helper)])
     clock = Stopwatch()
     if not no_rollouts:
         with click.progressbar(length=plan.rows, label="1/3 rollouts",

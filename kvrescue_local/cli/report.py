@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import KVRescueError
-from ..files import check_writable
+from ..files import check_not_read, check_writable
 from .common import DEFAULTS, cache_type_options, parse_size
 
 
@@ -31,28 +31,33 @@ def report(results: tuple[Path, ...], markdown: bool, plots_dir: Path | None, tr
 
     Rows of one configuration made with different model files, prompt templates or settings (seeds aside)
     are shown as separate rows, one per setup, unless --pool-setups pools them."""
-    from ..bench.report import load_results, render
+    from ..bench.report import distinct_rows, load_results, render
 
     if html_out is not None and trajectory is None:
         raise KVRescueError("--out names the HTML page of --html TRAJECTORY.json: pass both")
     if not results and (trajectory is None or plots_dir is not None):
         raise KVRescueError("pass a RESULTS .jsonl file (from `bench run`) for the tables and plots; --html "
                             "TRAJECTORY.json alone needs none")
+    reads = [*(("RESULTS", path) for path in results), ("--html", trajectory)]
+    page = html_out or (trajectory and trajectory.with_suffix(".html"))
     if trajectory is not None:
-        check_writable(html_out or trajectory.with_suffix(".html"), "--out")
-    rows = [row for path in results for row in load_results(path)]
+        check_writable(page, "--out" if html_out else "--html's page", reads=reads)
+    rows, repeated = distinct_rows([row for path in results for row in load_results(path)])
+    if repeated:
+        click.echo(f"{repeated} duplicate rows left out (the same problem, configuration and run, read twice: a "
+                   "file given twice, or merged into another given too)", err=True)
     if rows:
         click.echo(render(rows, markdown=markdown, pool_setups=pool_setups,
                           kv_cap=parse_size(kv_cap, "--kv-cap") if kv_cap else None), nl=False)
     if plots_dir is not None:
         from ..bench.plots import write_plots
 
-        written = write_plots(rows, plots_dir)
+        written = write_plots(rows, plots_dir, reads)
         click.echo(f"\n{len(written)} plots written to {plots_dir}: {', '.join(p.name for p in written) or 'none'}")
     if trajectory is not None:
         from ..bench.viewer import load_trajectory, write_html
 
-        out = write_html(load_trajectory(trajectory), html_out or trajectory.with_suffix(".html"))
+        out = write_html(load_trajectory(trajectory), page)
         click.echo(f"trajectory page written to {out}")
 
 
@@ -71,6 +76,8 @@ def estimate_command(base: str, helper: str, budget: int, buffer: int, cache_typ
     """KV memory and decode FLOPs per sequence: evicted base + full-KV helper vs full-KV base."""
     from ..bench.estimate import estimate, parse_contexts, resolve_model
 
+    if plot_path is not None:
+        check_not_read(plot_path, "--plot", [("--base", base), ("--helper", helper)])
     cache = (cache_type_k or DEFAULTS.cache_type_k, cache_type_v or DEFAULTS.cache_type_v)
     helper_cache = (cache_type_k_helper or cache[0], cache_type_v_helper or cache[1])
     result = estimate(resolve_model(base), resolve_model(helper), budget, buffer, cache, helper_cache,

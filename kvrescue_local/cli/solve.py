@@ -48,7 +48,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
     if problem is not None and problem_file is not None:
         raise click.UsageError("give the problem as an argument or with --file, not both")
     if json_path:
-        check_writable(json_path, "--json")
+        check_writable(json_path, "--json", reads=[("--file", problem_file)])
     text = check_problem(problem, "the PROBLEM argument") if problem is not None else \
         check_problem(read_utf8(problem_file, "--file"), f"--file {problem_file}")
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ..bench.datasets import SPLITS, load_dataset
-from ..bench.results_file import read_rows
+from ..bench.results_file import read_rows, row_key
 from ..bench.run import run_sweep, sweep_axes
 from ..compose import PROMPT_METADATA, helper_head, open_models, select_models
 from ..errors import KVRescueError
@@ -89,7 +89,7 @@ def labelled_rows(files: list[Path], split: str) -> tuple[list[dict], list[Label
         if not path.exists():
             raise KVRescueError(f"rollouts file not found: {path}")
         for row in read_rows(path):
-            rows.setdefault((row["dataset"], row["id"], row["config_key"]), row)
+            rows.setdefault(row_key(row), row)
     kept, left_out = usable(list(rows.values()))
     check_split(kept, split, ", ".join(map(str, files)))
     return kept, [s for row in kept for s in labelled_steps(row)], left_out
