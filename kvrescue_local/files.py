@@ -181,7 +181,7 @@ def not_json(value, path: str = "") -> str | None:
     """Where value holds what a JSON file cannot: the path and value of its first number that is not finite, or
     its first text that UTF-8 cannot encode; None where it holds neither."""
     if isinstance(value, float) and not math.isfinite(value):
-        return f"{path} is {value}"
+        return f"{path} is {value}, a number that is not finite"
     if isinstance(value, str):
         try:
             value.encode("utf-8")

@@ -39,8 +39,8 @@ def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems
             if tokens > room:
                 trained = f"{where} takes {tokens:,} tokens with the prompt template, but {model.path.name} was " \
                           f"trained on {model.n_ctx_train:,}"
-                if room < tokens - len(model.tokenize(config.prompt.format(problem=""))):
-                    # no problem text fits: it is the step cap that leaves no room
+                if room <= len(model.tokenize(config.prompt.format(problem=""))):
+                    # not even the template fits beside one step: it is the step cap that leaves no room
                     raise KVRescueError(f"{trained} and one step of --max-step-tokens {config.max_step_tokens} must "
                                         f"fit after it: lower --max-step-tokens to at most "
                                         f"{max(1, model.n_ctx_train - tokens):,}")
@@ -159,6 +159,16 @@ def size_text(size: float) -> str:
     return f"{size:,.0f} B"
 
 
+def check_budget_trained(config: RescueConfig, base: Model | ModelFacts, budget_option: str) -> None:
+    """A budget or buffer beyond the base's trained context never evicts, yet would allocate cells for all of it
+    (or stall making them)."""
+    for option, value in ((budget_option, config.kv.budget), ("--buffer", config.kv.buffer)):
+        if value > base.n_ctx_train:
+            raise KVRescueError(f"{option} {value} exceeds the {base.n_ctx_train:,} positions {base.name} was "
+                                f"trained on, so it never evicts: lower {option} to at most {base.n_ctx_train:,} "
+                                "(or run --mode full for no eviction)")
+
+
 def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
                         memory_option: str = "the memory available", prm_ctx: int = 0, problem_bytes: int = 0,
                         budget_option: str = "--budget") -> None:
@@ -172,6 +182,8 @@ def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
 
     A plain function of the settings and the models' facts (ModelFacts.read of each GGUF), so that the server
     checks a request's settings as the command line checks its options."""
+    if config.evicts and models.base is not None:
+        check_budget_trained(config, models.base, budget_option)
     for model, used in ((models.base, config.uses_base), (models.helper, config.uses_helper)):
         if model is None or not used:
             continue

@@ -70,6 +70,11 @@ class Model:
 
     # --- model constants -------------------------------------------------
     @property
+    def name(self) -> str:
+        """The file's name, as messages name a model."""
+        return self.path.name
+
+    @property
     def n_vocab(self) -> int:
         return llama().llama_vocab_n_tokens(self.vocab)
 
