@@ -208,6 +208,7 @@ def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
                          f"{config.max_step_tokens}")
         if models.prm is not None and config.candidates_per_round > 1:
             sized.append(f"the PRM by --prm-ctx {prm_ctx}" if prm_ctx else
-                         f"the PRM by the longest problem ({problem_bytes:,} bytes) and --max-tokens {config.max_tokens}")
+                         f"the PRM by the longest problem's {problem_bytes:,} bytes (--prm-ctx sizes it instead) and "
+                         f"--max-tokens {config.max_tokens}")
         raise KVRescueError(f"the KV caches of one problem take {size_text(need)}, more than the {size_text(memory)} "
                             f"of {memory_option}; they are sized: {'; '.join(sized)}: lower those, or raise the memory")
