@@ -2,38 +2,16 @@
 was trained on and the memory allowed (before llama.cpp allocates), text that UTF-8 JSON cannot hold; Ctrl-C
 anywhere ends with rc 130 and no traceback; messages that say what is true. The toy preset, one thread."""
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from test_hardening import FAST, PROBLEM, TOY, invoke, one_error_line
 
-from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
-from kvrescue_local.paths import SHIPPED_MODELS
-
-TOY = SHIPPED_MODELS / "toy"
-PROBLEM = "a=8 b=6 c=5"
-FAST = ["--preset", "toy", "-t", "1", "--max-tokens", "24", "--max-step-tokens", "12"]
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result) -> str:
-    """Failed with exactly one `Error:` line and no traceback."""
-    assert result.exit_code != 0, result.output
-    assert isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.output
-    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, result.output
-    return errors[0]
 
 
 def data_file(tmp_path, *rows: str):
