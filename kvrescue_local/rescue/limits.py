@@ -138,9 +138,6 @@ class ModelFacts:
         n_ctx_train, n_layer, n_embd, n_head = (values[f"{arch}.{key}"] for key in keys)
         return cls(path.name, n_ctx_train, n_layer, n_embd, n_head, values.get(f"{arch}.attention.head_count_kv", n_head))
 
-    def kv_bytes_per_cell(self, type_k: str, type_v: str) -> int:
-        return kv_bytes_per_cell(self, type_k, type_v)
-
 
 @dataclass(frozen=True)
 class RunModels:

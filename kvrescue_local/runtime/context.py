@@ -325,6 +325,7 @@ class Context:
         self.decoded_tokens += n
         started = time.perf_counter()
         status = self._decode(self.handle, self.batch.struct)
+        interrupts.raise_pending()  # a Ctrl-C while llama.cpp logged from the decode
         self.decode_seconds += time.perf_counter() - started
         if status == 1:
             raise KVRescueError(f"the KV cache is full: no room for {n} more tokens in n_ctx={self.n_ctx} cells; "
