@@ -186,6 +186,11 @@ def test_a_lone_surrogate_in_the_problem_argument_is_refused():
     assert "the PROBLEM argument" in one_error_line(invoke("solve", *FAST, "a=1 \udc80"))
 
 
+def test_a_lone_surrogate_in_the_prompt_template_is_refused_before_solving():
+    message = one_error_line(invoke("solve", *FAST, "--prompt-template", "\udc80 {problem}", PROBLEM))
+    assert "--prompt-template" in message and "UTF-8 cannot encode" in message, message
+
+
 # --- 15. messages that say what is true --------------------------------------------------------------
 
 def test_a_concurrency_beyond_llama_cpps_sequences_says_so_not_memory(tmp_path):

@@ -14,6 +14,7 @@ import click
 
 from ..errors import KVRescueError
 from ..eviction import policy_specs
+from ..files import check_encodable
 from ..rescue import RescueConfig
 from ..rescue.limits import check_budget_trained
 from ..runtime import Model
@@ -171,6 +172,10 @@ class PromptTemplate(click.ParamType):
     name = "template"
 
     def convert(self, value, param, ctx) -> str:
+        try:  # it is written into every record: text that UTF-8 cannot encode is refused here, not after solving
+            check_encodable(value, repr(value), "pass the template as UTF-8 text")
+        except KVRescueError as exc:
+            self.fail(str(exc), param, ctx)
         try:
             fields = [(field, spec, conversion) for _, field, spec, conversion in string.Formatter().parse(value)
                       if field is not None]
