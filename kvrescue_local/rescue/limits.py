@@ -17,7 +17,6 @@ from ..eviction import make_policy
 from ..files import check_encodable
 from ..runtime import Model
 from ..runtime.context import N_CTX_PAD, kv_bytes_per_cell
-from ..runtime.model import check_gguf_file
 from .config import RescueConfig
 
 GIB = 1024 ** 3
@@ -122,14 +121,15 @@ class ModelFacts:
 
     @classmethod
     def read(cls, path: str | Path) -> "ModelFacts | None":
-        """The facts of a GGUF file; None where its header lacks them (llama.cpp then says what is wrong)."""
-        path = check_gguf_file(Path(path))
+        """The facts of a GGUF file; None where it is missing, no GGUF or its header lacks them (opening the model
+        then says what is wrong, in the order it checks)."""
+        path = Path(path)
         try:
             with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 values = {key: gguf_header.string(data, at) if kind == gguf_header.STRING else
                           gguf_header.scalar(data, at, kind)
                           for key, kind, at, _ in gguf_header.metadata(data) if kind != gguf_header.ARRAY}
-        except (struct.error, ValueError, KVRescueError):  # cut short or of an unknown version
+        except (OSError, struct.error, ValueError, KVRescueError):  # unreadable, empty, cut short, not a GGUF
             return None
         arch = values.get("general.architecture")
         keys = ("context_length", "block_count", "embedding_length", "attention.head_count")
