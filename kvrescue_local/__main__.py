@@ -1,5 +1,5 @@
 """`python3 -m kvrescue_local` is `kvrescue-local`."""
 
-from .cli import main
+from .entry import main
 
 main()

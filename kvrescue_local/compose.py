@@ -23,6 +23,7 @@ from .presets import HELPER, Preset, load_preset, preset_of
 from .prm import PRM, PRMParams, RewardHead, head_path, prm_format
 from .rescue import RescueConfig
 from .rescue.judge import HelperHead
+from .rescue.limits import ModelFacts, RunModels
 from .runtime import Model
 from .runtime.rpc import parse_endpoints
 
@@ -132,6 +133,16 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     return Selection(paths, source, parse_endpoints(options["rpc"]) if options.get("rpc") else ())
 
 
+def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_candidates: int) -> RunModels:
+    """The facts (limits.ModelFacts) of the models open_models would open with these arguments, read from their
+    GGUF headers: nothing is loaded, so the sizes are checked before llama.cpp allocates anything."""
+    paths = selection.paths
+    own_prm = max_candidates > 1 and paths["prm"] not in (None, HELPER)
+    return RunModels(ModelFacts.read(paths["base"]) if needs_base else None,
+                     ModelFacts.read(paths["helper"]) if needs_helper else None,
+                     ModelFacts.read(paths["prm"]) if own_prm else None)
+
+
 def open_model(selection: Selection, config: RescueConfig, path: Path) -> Model:
     """A base or helper model with the run's offload: over RPC every layer goes to the servers unless -ngl says how
     many."""
@@ -139,13 +150,15 @@ def open_model(selection: Selection, config: RescueConfig, path: Path) -> Model:
 
 
 def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,
-                max_candidates: int, problems: list[str], prompt_given: bool = False,
-                prm_ctx: int = 0) -> tuple[RescueConfig, Models]:
+                max_candidates: int, problems: list[str], prompt_given: bool = False, prm_ctx: int = 0,
+                before_prm: Callable[[RescueConfig, list[Model | None]], None] | None = None
+                ) -> tuple[RescueConfig, Models]:
     """The models, opened; the config with the prompt template of the primary model's GGUF when it names
     one (and no --prompt-template was given). The PRM is opened only when it chooses in a round (max_candidates
     > 1: the most candidates it chooses among); its context starts at prm_ctx, else at what the longest problem
     needs, and grows in the PRM's own tokens as the trajectory does. Its head is the preset's, else the one beside
-    the backbone."""
+    the backbone. before_prm: checks of the open base and helper (a problem too long for them) made before the
+    PRM's context, which is sized from the longest problem, is allocated."""
     paths = selection.paths
     name = selection.preset.name if selection.preset else "NAME"
     if max_candidates > 1 and paths["prm"] is None:  # checked before any model loads
@@ -167,6 +180,8 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
     template = (base or helper).metadata(PROMPT_METADATA)
     if template and not prompt_given:
         config = dataclasses.replace(config, prompt=template)
+    if before_prm is not None:
+        before_prm(config, [base, helper])
     if max_candidates <= 1:
         return config, Models(base, helper, None)
     if in_helper:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import errno
 import io
+import json
+import math
 import os
 import stat
 from contextlib import AbstractContextManager, contextmanager
@@ -187,6 +189,45 @@ def decode_utf8(data: bytes, where: str) -> str:
     except UnicodeDecodeError as exc:
         raise KVRescueError(f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
                             "save it as UTF-8") from None
+
+
+def check_encodable(text: str, where: str, fix: str) -> str:
+    """Text that UTF-8, and so a JSON file, can hold. A lone surrogate is what Python makes of bytes that are not
+    UTF-8 (an argument decoded with surrogateescape) or of a JSON escape such as "\\udc80": it would be read,
+    solved, then fail when the record is written; it is refused where it enters, with `where` and `fix`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise KVRescueError(f"{where} holds \\u{ord(text[exc.start]):04x} at character {exc.start}, which UTF-8 "
+                            f"cannot encode (a lone surrogate, or a byte that was not UTF-8): {fix}") from None
+    return text
+
+
+def not_json(value, path: str = "") -> str | None:
+    """Where value holds what a JSON file cannot: the path and value of its first number that is not finite, or
+    its first text that UTF-8 cannot encode; None where it holds neither."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{path} is {value}, a number that is not finite"
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{path} holds text that UTF-8 cannot encode"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = not_json(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def json_text(data, what: str, indent: int | None = None) -> str:
+    """data as JSON text that a UTF-8 file can hold: a number that is not finite (NaN would be written as `NaN`,
+    which is not JSON) or text that UTF-8 cannot encode is refused, naming `what` and the field."""
+    found = not_json(data)
+    if found:
+        raise KVRescueError(f"{what} {found}, which a JSON file cannot hold: nothing written")
+    return json.dumps(data, indent=indent, ensure_ascii=False)
 
 
 def read_utf8(path: Path, what: str) -> str:

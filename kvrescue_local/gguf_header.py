@@ -42,6 +42,11 @@ def scalar(data, at: int, kind: int) -> int | float | bool:
     return struct.unpack_from(SCALAR_FORMATS[kind], data, at)[0]
 
 
+def string(data, at: int) -> str:
+    (length,) = struct.unpack_from("<Q", data, at)
+    return bytes(data[at + 8:at + 8 + length]).decode("utf-8", "replace")
+
+
 def index_end(data) -> int:
     """Offset just past the metadata and tensor index (where the tensor data begins, less padding)."""
     at = HEADER_BYTES

@@ -46,6 +46,14 @@ def offline_default(offline: bool | None) -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
 
 
+def not_cached(what: str, offline: bool, fix: str) -> str:
+    """The message for a file the Hugging Face cache lacks, which the hub gave not: downloads were off, or the
+    hub could not be reached (huggingface_hub raises LocalEntryNotFoundError for both)."""
+    if offline:
+        return f"{what} is not in the Hugging Face cache and downloads are off (offline): {fix}"
+    return f"{what} is not in the Hugging Face cache and the hub could not be reached: check the network, or {fix}"
+
+
 def split_spec(spec: str) -> tuple[str, str] | None:
     """(repo, file-or-quant) for `owner/name:x`; None when spec is a plain path."""
     if Path(spec).exists() or ":" not in spec:
@@ -103,9 +111,9 @@ def download(repo: str, filename: str, cache_dir, offline: bool) -> Path:
 
     try:
         return Path(hf_hub_download(repo, filename, cache_dir=cache_dir, local_files_only=offline))
-    except LocalEntryNotFoundError:
-        raise KVRescueError(f"{repo}/{filename} is not in the Hugging Face cache and downloads are off (offline): "
-                            f"run `kvrescue-local models pull` online first") from None
+    except LocalEntryNotFoundError:  # offline, or online with the hub out of reach: the cache did not have it
+        raise KVRescueError(not_cached(f"{repo}/{filename}", offline, "run `kvrescue-local models pull` online "
+                                       "first")) from None
     except Exception as exc:
         raise KVRescueError(f"could not download {repo}/{filename} ({type(exc).__name__}): check the network, "
                             "the name and your Hugging Face token") from None

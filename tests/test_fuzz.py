@@ -5,7 +5,9 @@ two writers of one results file at once under different names, an output that na
 
 Each command runs in a child forked from one server process that imported the command line once (this file
 run as a script): a child that aborts in llama.cpp is an exit status to report, not the end of the test run,
-and no child pays for Python's start-up. Bounded (60 examples in all, and 32 of files) so that CI runs it."""
+and no child pays for Python's start-up. Bounded (75 drawn examples, each class of bad value once, and 32
+of files) so that CI runs it, and derandomized (the examples follow from the test's source) so that a failure
+in CI reproduces."""
 
 import hashlib
 import json
@@ -25,14 +27,22 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 CHILD_TIMEOUT = 20  # seconds; a toy run takes about one: longer is a hang
-EXAMPLES = 15  # per command: 60 in all
-PROBLEMS = ["a=8 b=6 c=5", "a=3 b=1", "", "  \n", "ü ∑ 😀 {problem} {", "x" * 3000]
+EXAMPLES = 15  # per command: 75 in all
+# null, NaN and infinity, huge sizes, surrogates: each refused where it enters
+SURROGATE = "a=1 \udc80"  # what a non-UTF-8 byte of an argument becomes (surrogateescape)
+HUGE = ["100000000", "2147483648", "99999999999999999999"]
+HUGE_SIZES = ["infG", "1e400k", "nan", "1e30G", "-inf"]
+NULL_DATA = {"null.jsonl": '{"id": 1, "problem": null, "answer": "1"}', "nullanswer.jsonl": '{"problem": "a=1", "answer": null}',
+             "emptyanswer.jsonl": '{"problem": "a=1", "answer": []}', "nananswer.jsonl": '{"problem": "a=1", "answer": NaN}',
+             "surrogate.jsonl": '{"id": "\\udc80", "problem": "a=1", "answer": "1"}'}
+REFUSED = {SURROGATE, *HUGE_SIZES, *NULL_DATA}  # a run given one of these ends in its Error: line
+PROBLEMS = ["a=8 b=6 c=5", "a=3 b=1", "", "  \n", "ü ∑ 😀 {problem} {", "x" * 3000, SURROGATE, "a=1 " * 100_000]
 TEMPLATES = ["<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n", "{problem}", "x {problem} {foo}",
              "{problem} {", "no field", "{{literal}} {problem}", "{problem!r}", "{0}"]
 POLICIES = ["rkv", "snapkv", "h2o", "streaming", "rkv:lam=0.1,lam=0.2", "rkv:kernel=0", "rkv:lam=nan", "bogus", "",
             "rkv:lam=0.1,kernel=5,h2o", "rkv,rkv", "snapkv:kernel=-3"]
 NUMBERS = ["nan", "inf", "-inf", "-1", "0", "0.5", "1", "1e9", "x", ""]
-SIZES = ["-1", "0", "1", "2", "8", "16", "24", "600", "100000000", "x"]
+SIZES = ["-1", "0", "1", "2", "8", "16", "24", "600", "x", *HUGE]
 
 
 # --- the server: fork per command, report the exit status and output --------------------------------
@@ -143,6 +153,17 @@ def inputs(server, tmp_path_factory):
     (folder / "latin1.jsonl").write_bytes(b'{"id": 1, "problem": "caf\xe9", "answer": "1"}\n')
     (folder / "adir").mkdir()
     (folder / "link.json").symlink_to("other.txt")
+    for name, line in NULL_DATA.items():
+        (folder / name).write_text(line + "\n")
+    from kvrescue_local.prm.head import RewardHead
+
+    toy = Path(__file__).resolve().parent.parent / "models" / "toy"
+    for name, bad in (("nanhead", float("nan")), ("infhead", float("inf"))):  # a PRM whose head is not finite
+        head = RewardHead.load(toy / "prm.head.npz")
+        head.weights[0][0, 0] = bad
+        (folder / name).mkdir()
+        (folder / name / "prm.gguf").symlink_to(toy / "prm.gguf")
+        head.save(folder / name / "prm.head.npz")
     return folder
 
 
@@ -182,6 +203,8 @@ def check(server, inputs: Path, tmp_path_factory, args: list[str], outputs: list
     assert "Traceback" not in output and "GGML_ASSERT" not in output, shown
     if status != "rc 0":
         assert len([line for line in output.splitlines() if line.startswith("Error:")]) == 1, shown
+    if REFUSED.intersection(args):  # never solved or read as something it is not ("None", NaN)
+        assert status != "rc 0", shown
     after = snapshot(work)
     named = set()
     for name in outputs:
@@ -208,15 +231,16 @@ def options(draw, table: dict) -> list[str]:
 
 SEARCH = {"--buffer": st.sampled_from(SIZES), "--n-sink": st.sampled_from(SIZES), "--window": st.sampled_from(SIZES),
           "--temp": st.sampled_from(NUMBERS), "--top-p": st.sampled_from(NUMBERS), "--seed": st.sampled_from(SIZES),
-          "--max-tokens": st.sampled_from(["-1", "0", "1", "8", "32"]),
+          "--max-tokens": st.sampled_from(["-1", "0", "1", "8", "32", *HUGE]),
           "--max-steps": st.sampled_from(["-1", "0", "1", "3"]), "--max-step-tokens": st.sampled_from(SIZES[:7]),
           "--tau-entropy": st.sampled_from(NUMBERS), "--tau-compression": st.sampled_from(NUMBERS),
-          "--prm-ctx": st.sampled_from(["-1", "0", "1", "64", "511", "512", "700"]),
+          "--prm-ctx": st.sampled_from(["-1", "0", "1", "64", "511", "512", "700", *HUGE]),
           "--prompt-template": st.sampled_from(TEMPLATES), "-ngl": st.sampled_from(["-2", "-1", "0"]),
           "-fa": st.sampled_from(["on", "off", "auto", "x"]), "--protect-prompt": None, "--evict-prompt": None,
           "--threads": st.sampled_from(["-1", "0", "1", "999"])}
 FAST = ["--preset", "toy", "-t", "1", "--max-tokens", "24", "--max-step-tokens", "12"]
-RUN = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+RUN = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+               database=None)
 
 
 @st.composite
@@ -225,7 +249,8 @@ def solve_args(draw):
              "--mode": st.sampled_from(["full", "bon", "helper", "kvrescue", "x"]),
              "--policy": st.sampled_from(POLICIES), "--choice": st.sampled_from(["prm", "random", "x"]),
              "--json": st.sampled_from(["out.json", "missing/out.json", "adir", "link.json", "fifo", "other.txt"]),
-             "--file": st.sampled_from(["other.txt", "latin1.jsonl", "empty.jsonl", "adir", "nope.txt", "fifo"])}
+             "--file": st.sampled_from(["other.txt", "latin1.jsonl", "empty.jsonl", "adir", "nope.txt", "fifo"]),
+             "--prm": st.sampled_from(["nanhead/prm.gguf", "infhead/prm.gguf"])}
     args = ["solve", *FAST, *options(draw, table)]
     problem = draw(st.sampled_from([None, *PROBLEMS]))
     return args + ([problem] if problem is not None else [])
@@ -239,9 +264,10 @@ def bench_run_args(draw):
              "--ns": st.sampled_from(["", "1", "1,2", "0", "x"]), "--policies": st.sampled_from(POLICIES),
              "--choice": st.sampled_from(["prm", "random", "prm,random", "", "x"]),
              "--shard": st.sampled_from(["0/2", "1/2", "3/2", "x", "0/0"]), "--resume": None,
-             "--concurrency": st.sampled_from(["-1", "0", "1", "2"]), "--memory": st.sampled_from(["1G", "0", "x", "1"]),
+             "--concurrency": st.sampled_from(["-1", "0", "1", "2", "64"]),
+             "--memory": st.sampled_from(["1G", "0", "x", "1", "300K", *HUGE_SIZES]),
              "--data": st.sampled_from(["good.jsonl", "dup.jsonl", "latin1.jsonl", "empty.jsonl", "binary.jsonl",
-                                        "notjson.jsonl", "adir", "nope.jsonl", "fifo"])}
+                                        "notjson.jsonl", "adir", "nope.jsonl", "fifo", *NULL_DATA])}
     results = draw(st.sampled_from(["r.jsonl", "shard0.jsonl", "missing/r.jsonl", "adir", "fifo", "other.txt",
                                     "link.json", "binary.jsonl"]))
     return ["bench", "run", "--dataset", "toy", "--limit", "2", *FAST, *options(draw, table), "--results", results]
@@ -260,10 +286,19 @@ def merge_args(draw):
 
 @st.composite
 def report_args(draw):
-    table = {"--markdown": None, "--pool-setups": None, "--kv-cap": st.sampled_from(["64M", "0", "x", "1", "-5G"]),
+    table = {"--markdown": None, "--pool-setups": None,
+             "--kv-cap": st.sampled_from(["64M", "0", "x", "1", "-5G", *HUGE_SIZES]),
              "--html": st.sampled_from(["trajectory.json", "shard0.jsonl", "binary.jsonl", "nope.json", "adir", "fifo"]),
              "--out": st.sampled_from(["page.html", "missing/page.html", "adir", "fifo", "link.json"])}
     return ["report", *draw(st.lists(st.sampled_from(FILES), max_size=3)), *options(draw, table)]
+
+
+@st.composite
+def estimate_args(draw):
+    table = {"--contexts": st.sampled_from(["1k,2k", "4096", "infk", "1e400k", "nan", "1e30k", "0", "x", "", *HUGE]),
+             "--budget": st.sampled_from(SIZES), "--buffer": st.sampled_from(SIZES), "--markdown": None,
+             "--base": st.sampled_from(["7b", "1.5b", "other.txt", "nope.gguf", "binary.jsonl", "adir"])}
+    return ["estimate", *options(draw, table)]
 
 
 def named_outputs(args: list[str]) -> list[str]:
@@ -274,8 +309,8 @@ def named_outputs(args: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("strategy", [solve_args(), bench_run_args(), merge_args(), report_args()],
-                         ids=["solve", "bench-run", "bench-merge", "report"])
+@pytest.mark.parametrize("strategy", [solve_args(), bench_run_args(), merge_args(), report_args(), estimate_args()],
+                         ids=["solve", "bench-run", "bench-merge", "report", "estimate"])
 def test_drawn_options_end_in_a_result_or_one_error_line(server, inputs, tmp_path_factory, strategy):
     @RUN
     @given(strategy)
@@ -283,6 +318,26 @@ def test_drawn_options_end_in_a_result_or_one_error_line(server, inputs, tmp_pat
         check(server, inputs, tmp_path_factory, args, named_outputs(args))
 
     one()
+
+
+# --- null, NaN and infinity, huge sizes, surrogates: each class once, whatever the draws ---------------------
+
+RUN_TOY = ["bench", "run", "--dataset", "toy", "--limit", "1", *FAST]
+CLASSES = {**{f"data-{name}": [*RUN_TOY, "--data", name, "--results", "r.jsonl"] for name in NULL_DATA},
+           "surrogate-problem": ["solve", *FAST, SURROGATE],
+           "nan-head": ["solve", *FAST, "-n", "2", "--prm", "nanhead/prm.gguf", PROBLEMS[0]],
+           "inf-head": ["solve", *FAST, "-n", "2", "--prm", "infhead/prm.gguf", PROBLEMS[0]],
+           "huge-max-tokens": ["solve", *FAST, "--max-tokens", HUGE[0], PROBLEMS[0]],
+           "huge-prm-ctx": ["solve", *FAST, "-n", "2", "--prm-ctx", HUGE[0], PROBLEMS[0]],
+           "huge-problem": ["solve", *FAST, PROBLEMS[-1]],
+           "inf-memory": [*RUN_TOY, "--memory", "1e400k", "--results", "r.jsonl"],
+           "inf-kv-cap": ["report", "--kv-cap", "infG", "shard0.jsonl"],
+           "inf-contexts": ["estimate", "--contexts", "infk"]}
+
+
+@pytest.mark.parametrize("args", CLASSES.values(), ids=CLASSES.keys())
+def test_each_class_of_bad_value_ends_in_one_error_line(server, inputs, tmp_path_factory, args):
+    assert check(server, inputs, tmp_path_factory, args, named_outputs(args))["status"] != "rc 0", args
 
 
 # === files by identity: concurrent writers, an output naming an input, special files ===================

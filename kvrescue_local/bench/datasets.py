@@ -4,13 +4,15 @@ task, or a JSONL file; each with the grader that decides a trajectory's answer."
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..errors import KVRescueError
-from ..files import check_input_file, decode_utf8
+from ..hub import not_cached
+from ..files import check_encodable, check_input_file, decode_utf8
 from ..rescue.limits import check_problem
 from .grade import is_correct
 
@@ -60,6 +62,19 @@ def toy_dataset() -> Dataset:
     return Dataset("toy", [Problem(f"toy-{i}", p.text, str(p.answer)) for i, p in enumerate(held_out())], exact_match)
 
 
+def field_text(value, where: str, numbers: bool = True) -> str:
+    """A field of a JSONL row as the text it is solved or graded with: a string, or (numbers) a finite number as
+    JSON writes it. null, true/false, a list or an object would be solved as their Python spelling ("None"), and
+    a string holding a lone surrogate ("\\udc80") cannot be written back as UTF-8 JSON: each is refused, with
+    `where` (the file, the line and the field)."""
+    finite = isinstance(value, int) or isinstance(value, float) and math.isfinite(value)
+    if isinstance(value, bool) or not (isinstance(value, str) or numbers and finite):
+        kind = "null" if value is None else json.dumps(value, ensure_ascii=True)[:40]
+        raise KVRescueError(f"{where} is {kind}, not {'text or a number' if numbers else 'text'}: give it as a JSON "
+                            "string")
+    return check_encodable(str(value), where, "fix that line")
+
+
 def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
     """The problems of a JSONL file, each line checked: UTF-8, a JSON object with the two fields, a problem that
     is not empty, and an id no other line has (ids compare as text: "1" and 1 are the same problem)."""
@@ -81,16 +96,21 @@ def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "
         if missing:
             raise KVRescueError(f"{path}:{number}: the row has no {' or '.join(repr(m) for m in missing)} field; "
                                 f"each line needs {{\"id\", \"{problem_field}\", \"{answer_field}\"}}")
-        check_problem(str(row[problem_field]), f"{path}:{number}: the {problem_field!r} field")
+        where = f"{path}:{number}: the"
+        problem = check_problem(field_text(row[problem_field], f"{where} {problem_field!r} field", numbers=False),
+                                f"{where} {problem_field!r} field")
         answer = row[answer_field]
         if isinstance(answer, list):  # OlympiadBench stores a list of final answers
-            answer = answer[0] if answer else ""
-        problem_id = str(row.get("id", f"{path.stem}-{number}"))
+            if not answer:
+                raise KVRescueError(f"{where} {answer_field!r} field is an empty list: give the gold answer")
+            answer = answer[0]
+        answer = field_text(answer, f"{where} {answer_field!r} field")
+        problem_id = field_text(row["id"], f"{where} 'id' field") if "id" in row else f"{path.stem}-{number}"
         if problem_id in first_line:
             raise KVRescueError(f"{path}:{number}: id {problem_id!r} is already the id of line {first_line[problem_id]} "
                                 "(ids compare as text): give every problem its own id")
         first_line[problem_id] = number
-        problems.append(Problem(problem_id, str(row[problem_field]), str(answer)))
+        problems.append(Problem(problem_id, problem, answer))
     if not problems:
         raise KVRescueError(f"{path} holds no problems")
     return problems
@@ -106,8 +126,8 @@ def fetch_hub_dataset(spec: HubDataset, cache_dir: str | Path | None = None, off
         return Path(hf_hub_download(spec.repo, spec.filename, repo_type="dataset", cache_dir=cache_dir,
                                     local_files_only=offline))
     except LocalEntryNotFoundError:
-        raise KVRescueError(f"{spec.repo}/{spec.filename} is not in the Hugging Face cache and downloads are off "
-                            "(offline): fetch it once online, or pass --data FILE.jsonl") from None
+        raise KVRescueError(not_cached(f"{spec.repo}/{spec.filename}", offline, "fetch it once online, or pass "
+                                       "--data FILE.jsonl")) from None
     except Exception as exc:  # network, auth, missing repo: one line, with the fix
         raise KVRescueError(f"could not fetch {spec.repo}/{spec.filename} from the Hugging Face hub "
                             f"({type(exc).__name__}): check the network or pass --data FILE.jsonl") from None

@@ -20,6 +20,7 @@ present, parameters counted from the tensor shapes) or from the built-in Qwen2.5
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from ..runtime.context import CACHE_TYPES
 
 MIB = 1024 * 1024
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)
+MAX_POSITIONS = 2 ** 31 - 1  # llama_pos is an int32
 
 
 @dataclass(frozen=True)
@@ -138,17 +140,29 @@ def resolve_model(value: str | Path) -> ModelSpec:
     raise KVRescueError(f"unknown model {text!r}: use one of {', '.join(BUILTIN)} or the path of a .gguf file")
 
 
+def scaled(number: str, scale: int) -> int:
+    """int(number * scale) of a decimal text such as '1.5'; ValueError for NaN and for an infinity (of 'inf', or
+    of a number too large for a float, '1e400'), which int() would meet as an OverflowError."""
+    value = float(number) * scale
+    if not math.isfinite(value):
+        raise ValueError(f"{number!r} is not a finite number")
+    return int(value)
+
+
 def parse_contexts(text: str) -> list[int]:
-    """'1k,2k,4k' or '1024,2048' -> token counts (k = 1024)."""
+    """'1k,2k,4k' or '1024,2048' -> token counts (k = 1024), each at most llama.cpp's largest position."""
     out = []
     for part in text.split(","):
         part = part.strip().lower()
         try:
-            value = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+            value = scaled(part[:-1], 1024) if part.endswith("k") else int(part)
         except ValueError:
             raise KVRescueError(f"context lengths are comma-separated tokens like 1k,2k,4096, not {text!r}") from None
         if value < 1:
             raise KVRescueError(f"context lengths must be positive (got {part!r})")
+        if value > MAX_POSITIONS:
+            raise KVRescueError(f"context length {part} is larger than the {MAX_POSITIONS:,} positions llama.cpp "
+                                "can hold (a 32-bit llama_pos): give a smaller one")
         out.append(value)
     return out
 

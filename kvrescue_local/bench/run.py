@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, TextIO
 
 from ..errors import KVRescueError
-from ..files import results_target, write_output
+from ..files import json_text, results_target, write_output
 from ..prm import PRM
 from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
 from ..rescue.judge import HelperHead
@@ -208,7 +208,7 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
                                       "kv_peak_bytes": engine.peak_kv_bytes()}
                     if error:
                         line["error"] = error
-                    out().write(json.dumps(line, ensure_ascii=False) + "\n")
+                    out().write(json_text(line, f"the results line of {problem.id} ({axis.key}):") + "\n")
                     out().flush()
                     os.fsync(out().fileno())
                     written += 1

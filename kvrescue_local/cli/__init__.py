@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from .. import interrupts
 from ..errors import KVRescueError
 from ..files import os_error_message
 from .bench import bench
@@ -19,11 +20,14 @@ from .toy import toy
 
 
 class ProjectErrorsAsOneLine(click.Group):
-    """Every KVRescueError (and OSError) reaches the user as `Error: <message>`, never as a traceback."""
+    """Every KVRescueError (and OSError) reaches the user as `Error: <message>`, never as a traceback; Ctrl-C ends
+    the run with rc 130 (click's own handling says "Aborted!" with rc 1)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            interrupts.exit_interrupted()
         except KVRescueError as exc:
             raise click.ClickException(str(exc)) from None
         except OSError as exc:  # a full disk or a vanished folder mid-run: one line, no chained traceback

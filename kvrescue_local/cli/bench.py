@@ -9,7 +9,7 @@ import click
 from ..bench.datasets import DATASET_NAMES, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
-from ..compose import open_model, open_models, select_models
+from ..compose import model_facts, open_model, open_models, select_models
 from ..errors import KVRescueError
 from ..hub import resolve_gguf
 from ..quantize import WEIGHT_TYPES
@@ -19,8 +19,8 @@ from ..files import check_writable
 from ..prm import PRM
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES
-from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
-                             largest_fitting)
+from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_prompts_fit,
+                             kv_memory, largest_fitting)
 from .common import DEFAULTS, name_list, note, parse_size, search_options
 from .options import (POSITIVE, CacheTypeList, IntList, Names, PolicySpecs, check_cache_fit, check_kv_sizes,
                       check_prm_ctx)
@@ -92,20 +92,26 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     configs = [rescue_config(axis, template) for axis in axes]
     candidates = max((c.candidates_per_round for c in configs if c.needs_prm), default=1)
     check_prm_ctx(template, options["prm_ctx"])
-    template, models = open_models(selection, template, needs_base, needs_helper, candidates,
-                                   [p.problem for p in data_set.problems],
-                                   prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
+    allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
+    problems = [p.problem for p in data_set.problems]
+    facts = model_facts(selection, needs_base, needs_helper, candidates)
+    for config in configs:
+        check_context_sizes(config, facts, allowed, f"the memory allowed (--memory {memory})" if memory else
+                            "half of the available memory (--memory)", options["prm_ctx"],
+                            max(len(p.encode()) for p in problems), "--budgets")
+    named = {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems}
+    template, models = open_models(selection, template, needs_base, needs_helper, candidates, problems,
+                                   prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"],
+                                   before_prm=lambda config, opened: check_prompts_fit(config, opened, named))
     base_models = {label: models.base if path == models.base.path else open_model(selection, template, path)
                    for label, path in base_files.items()}
     every_base = list(base_models.values()) or [models.base]
-    problems = [p.problem for p in data_set.problems]
     for base in every_base:
-        check_prompts_fit(template, [base, models.helper],
-                          {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems})
+        if base is not models.base:  # the one open_models opened is checked there
+            check_prompts_fit(template, [base], named)
         check_cache_fit(configs, base, models.helper)
         if base is not None:
             check_kv_sizes(configs, base, longest_prompt(template, [base], problems), "--budgets")
-    allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
     prompt_tokens = longest_prompt(template, [*every_base, models.helper], problems)
     prm = models.prm if isinstance(models.prm, PRM) else None  # the PRM with a context of its own
 

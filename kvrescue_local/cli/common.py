@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
+from ..bench.estimate import scaled
 from ..errors import KVRescueError
-from ..files import write_output
+from ..files import json_text, write_output
 from ..rescue import RescueConfig
 from ..runtime.context import CACHE_TYPES
 from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, THREADS, Finite, PromptTemplate
@@ -92,17 +92,22 @@ def search_options(command):
 
 
 UNITS = {"k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}
+MAX_SIZE = 2 ** 63 - 1  # llama.cpp and the OS count bytes in 64 bits
 
 
 def parse_size(text: str, option: str) -> int:
-    """'512M', '8G', '1.5GiB' or bytes -> bytes."""
+    """'512M', '8G', '1.5GiB' or bytes -> bytes; a size that is not finite ('infG', '1e400k') or beyond 64 bits
+    is refused."""
     value = text.strip().lower().removesuffix("ib").removesuffix("b")
     try:
-        size = int(float(value[:-1]) * UNITS[value[-1]]) if value and value[-1] in UNITS else int(value)
+        size = scaled(value[:-1], UNITS[value[-1]]) if value and value[-1] in UNITS else int(value)
     except ValueError:
         raise KVRescueError(f"{option} takes a size like 512M or 8G, not {text!r}") from None
     if size <= 0:
         raise KVRescueError(f"{option} must be a positive size, not {text!r}")
+    if size > MAX_SIZE:
+        raise KVRescueError(f"{option} {text} is larger than any memory (8 EiB, 64-bit byte counts): give a size "
+                            "like 512M or 8G")
     return size
 
 
@@ -116,12 +121,7 @@ def name_list(text: str, allowed, what: str) -> list[str]:
 
 def write_json(path: Path, data: dict, option: str) -> None:
     """Complete file or none (files.write_output); NaN or infinity would not be JSON, so they are refused."""
-    try:
-        text = json.dumps(data, indent=1, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        raise KVRescueError(f"the record for {option} {path} holds a number that is not finite, which JSON cannot "
-                            "hold: nothing written") from None
-    write_output(path, text + "\n", option)
+    write_output(path, json_text(data, f"the record for {option} {path}:", indent=1) + "\n", option)
 
 
 def note(text: str) -> None:

@@ -14,7 +14,9 @@ import click
 
 from ..errors import KVRescueError
 from ..eviction import policy_specs
+from ..files import check_encodable
 from ..rescue import RescueConfig
+from ..rescue.limits import check_budget_trained
 from ..runtime import Model
 from ..runtime.context import CACHE_TYPES, check_cache_blocks
 
@@ -170,6 +172,10 @@ class PromptTemplate(click.ParamType):
     name = "template"
 
     def convert(self, value, param, ctx) -> str:
+        try:  # it is written into every record: text that UTF-8 cannot encode is refused here, not after solving
+            check_encodable(value, repr(value), "pass the template as UTF-8 text")
+        except KVRescueError as exc:
+            self.fail(str(exc), param, ctx)
         try:
             fields = [(field, spec, conversion) for _, field, spec, conversion in string.Formatter().parse(value)
                       if field is not None]
@@ -194,15 +200,11 @@ def check_prm_ctx(config: RescueConfig, prm_ctx: int) -> None:
 
 def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_tokens: int, budget_option: str) -> None:
     """After the base opens, before its contexts are made: a budget or buffer beyond its trained context never
-    evicts, yet would allocate cells for all of it (or stall making them); a protected prompt that fills the
-    budget leaves the policy nothing to choose among."""
+    evicts (checked from the GGUF header before, limits.check_context_sizes, and here for each base a sweep
+    opens); a protected prompt that fills the budget leaves the policy nothing to choose among."""
     for config in (c for c in configs if c.evicts and base is not None):
-        kv, trained = config.kv, base.n_ctx_train
-        for option, value in ((budget_option, kv.budget), ("--buffer", kv.buffer)):
-            if value > trained:
-                raise KVRescueError(f"{option} {value} exceeds the {trained:,} positions {base.path.name} was "
-                                    f"trained on, so it never evicts: lower {option} to at most {trained:,} (or run "
-                                    "--mode full for no eviction)")
+        check_budget_trained(config, base, budget_option)
+        kv = config.kv
         needed = prompt_tokens + kv.window
         if kv.protect_prompt and needed > kv.budget:
             raise KVRescueError(f"--protect-prompt keeps the prompt's {prompt_tokens} tokens, and with the recent "

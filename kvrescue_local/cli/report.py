@@ -33,6 +33,7 @@ def report(results: tuple[Path, ...], markdown: bool, plots_dir: Path | None, tr
     are shown as separate rows, one per setup, unless --pool-setups pools them."""
     from ..bench.report import distinct_rows, load_results, render
 
+    cap = parse_size(kv_cap, "--kv-cap") if kv_cap else None  # a bad size is refused before any file is read
     if html_out is not None and trajectory is None:
         raise KVRescueError("--out names the HTML page of --html TRAJECTORY.json: pass both")
     if not results and (trajectory is None or plots_dir is not None):
@@ -48,7 +49,7 @@ def report(results: tuple[Path, ...], markdown: bool, plots_dir: Path | None, tr
                    "file given twice, or merged into another given too)", err=True)
     if rows:
         click.echo(render(rows, markdown=markdown, pool_setups=pool_setups,
-                          kv_cap=parse_size(kv_cap, "--kv-cap") if kv_cap else None), nl=False)
+                          kv_cap=cap), nl=False)
     if plots_dir is not None:
         from ..bench.plots import write_plots
 

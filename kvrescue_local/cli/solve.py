@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
-from ..compose import open_models, select_models
+from ..compose import model_facts, open_models, select_models
 from ..eviction import POLICY_HELP
 from ..files import check_writable, read_utf8
 from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
 from ..rescue.config import CHOICES
-from ..rescue.limits import check_problem, check_prompts_fit
+from ..rescue.limits import available_memory, check_context_sizes, check_problem, check_prompts_fit
 from .common import DEFAULTS, note, preset_default, search_options, write_json
 from .options import POSITIVE, PolicySpecs, check_cache_fit, check_kv_sizes, check_prm_ctx
 
@@ -49,8 +49,8 @@ def solve(problem, problem_file, json_path, **options) -> None:
         raise click.UsageError("give the problem as an argument or with --file, not both")
     if json_path:
         check_writable(json_path, "--json", reads=[("--file", problem_file)])
-    text = check_problem(problem, "the PROBLEM argument") if problem is not None else \
-        check_problem(read_utf8(problem_file, "--file"), f"--file {problem_file}")
+    where = "the PROBLEM argument" if problem is not None else f"--file {problem_file}"
+    text = check_problem(problem if problem is not None else read_utf8(problem_file, "--file"), where)
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)
     choice = options["choice"] or DEFAULTS.choice
     selection = select_models(options, mode.uses_base, mode.uses_helper,
@@ -58,10 +58,12 @@ def solve(problem, problem_file, json_path, **options) -> None:
                               note=note)
     config = selection.config(options)
     check_prm_ctx(config, options["prm_ctx"])
-    config, models = open_models(selection, config, config.uses_base, config.uses_helper,
-                                 config.candidates_per_round if config.needs_prm else 1,
-                                 [text], prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
-    check_prompts_fit(config, [models.base, models.helper], {"the problem": text})
+    max_candidates = config.candidates_per_round if config.needs_prm else 1
+    check_context_sizes(config, model_facts(selection, config.uses_base, config.uses_helper, max_candidates),
+                        available_memory(), prm_ctx=options["prm_ctx"], problem_bytes=len(text.encode()))
+    config, models = open_models(selection, config, config.uses_base, config.uses_helper, max_candidates, [text],
+                                 prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"],
+                                 before_prm=lambda config, models: check_prompts_fit(config, models, {where: text}))
     check_cache_fit([config], models.base, models.helper)
     if models.base is not None:
         check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]), "--budget")

@@ -40,10 +40,13 @@ class KVBudget:
 
     def __post_init__(self) -> None:
         make_policy(self.policy)
-        if (self.n_sink is not None and self.n_sink < 0) or self.window < 1 or self.buffer < self.window:
-            raise KVRescueError(f"KV budget needs n_sink >= 0, window >= 1 and buffer >= window (the observation "
-                                f"window fits between evictions): got n_sink={self.n_sink}, window={self.window}, "
-                                f"buffer={self.buffer}")
+        if self.n_sink is not None and self.n_sink < 0:
+            raise KVRescueError(f"--n-sink {self.n_sink} is negative: keep 0 or more first entries")
+        if self.window < 1:
+            raise KVRescueError(f"--window {self.window} keeps no recent entry: give at least 1")
+        if self.buffer < self.window:
+            raise KVRescueError(f"--window {self.window} exceeds --buffer {self.buffer}: the observation window must "
+                                f"fit between evictions; lower --window to at most {self.buffer} or raise --buffer")
         if self.budget <= self.sinks + self.window:
             raise KVRescueError(f"KV budget {self.budget} leaves no room for the policy: it must exceed sinks "
                                 f"({self.sinks}) + window ({self.window}); raise --budget or lower --window")

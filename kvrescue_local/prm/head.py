@@ -85,6 +85,11 @@ class RewardHead:
         except (OSError, KeyError, IndexError, TypeError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
             raise KVRescueError(f"reward head {path} is unreadable ({type(exc).__name__}: {exc}): convert the PRM "
                                 "again, or retrain its head with `kvrescue-local prm train`") from None
+        for name, array in [*((f"weight{i}", w) for i, w in enumerate(head.weights)),
+                            *((f"bias{i}", b) for i, b in enumerate(head.biases))]:
+            if not np.isfinite(array).all():  # every reward would be NaN, and NaN is not JSON
+                raise KVRescueError(f"reward head {path}: {name} holds a number that is not finite (NaN or infinity): "
+                                    "convert the PRM again, or retrain its head with `kvrescue-local prm train`")
         if hidden_size is not None and head.hidden_size != hidden_size:
             raise KVRescueError(f"reward head {path} expects hidden size {head.hidden_size} but the backbone has "
                                 f"{hidden_size}: the head belongs to another model; convert the PRM again")

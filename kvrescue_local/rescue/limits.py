@@ -1,13 +1,20 @@
-"""Limits checked before any solving: an empty or non-UTF-8 problem, a prompt longer than a model's trained
-context, the KV memory of K problems at once (N and K against llama.cpp's sequences are RescueConfig's own
-checks)."""
+"""Limits checked before any solving: an empty or non-UTF-8 problem, every context size against the trained
+context of its model and the memory allowed (from the GGUF headers, before llama.cpp allocates), a prompt longer
+than a model's trained context, the KV memory of K problems at once (N and K against llama.cpp's sequences are
+RescueConfig's own checks)."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
 
+from .. import gguf_header
 from ..errors import KVRescueError
 from ..eviction import make_policy
+from ..files import check_encodable
 from ..runtime import Model
 from ..runtime.context import N_CTX_PAD, kv_bytes_per_cell
 from .config import RescueConfig
@@ -18,12 +25,7 @@ GIB = 1024 ** 3
 def check_problem(text: str, where: str) -> str:
     if not text.strip():
         raise KVRescueError(f"{where} is empty: give the problem's text")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise KVRescueError(f"{where} holds bytes that are not UTF-8 (at character {exc.start}): pass the problem "
-                            "as UTF-8 text (convert it, e.g. with iconv)") from None
-    return text
+    return check_encodable(text, where, "pass the problem as UTF-8 text (convert it, e.g. with iconv)")
 
 
 def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems: dict[str, str]) -> None:
@@ -34,11 +36,16 @@ def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems
         for where, problem in problems.items():
             tokens = len(model.tokenize(config.prompt.format(problem=problem)))
             if tokens > room:
-                fits = max(0, len(problem) * room // tokens)
+                trained = f"{where} takes {tokens:,} tokens with the prompt template, but {model.path.name} was " \
+                          f"trained on {model.n_ctx_train:,}"
+                if room <= len(model.tokenize(config.prompt.format(problem=""))):
+                    # not even the template fits beside one step: it is the step cap that leaves no room
+                    raise KVRescueError(f"{trained} and one step of --max-step-tokens {config.max_step_tokens} must "
+                                        f"fit after it: lower --max-step-tokens to at most "
+                                        f"{max(1, model.n_ctx_train - tokens):,}")
                 raise KVRescueError(
-                    f"{where} takes {tokens:,} tokens with the prompt template, but {model.path.name} was trained "
-                    f"on {model.n_ctx_train:,} and one step of {config.max_step_tokens} must fit after it: shorten "
-                    f"it (to about {fits:,} characters) or use a model with a longer context")
+                    f"{trained} and one step of {config.max_step_tokens} must fit after it: shorten it (to about "
+                    f"{len(problem) * room // tokens:,} characters) or use a model with a longer context")
 
 
 def padded(cells: int) -> int:
@@ -87,6 +94,8 @@ def largest_fitting(configs: list[RescueConfig], memory: int, need) -> int:
 
 
 def check_concurrency_fits(configs: list[RescueConfig], concurrency: int, memory: int, need) -> None:
+    for config in configs:  # the sequences bound it whatever the memory: say so rather than quote the memory
+        config.check_concurrency(concurrency)
     largest = largest_fitting(configs, memory, need)
     if largest == 0:
         raise KVRescueError(f"not even one problem fits: its KV caches take {need(configs[0], 1) / GIB:.2f} GiB of the "
@@ -95,3 +104,108 @@ def check_concurrency_fits(configs: list[RescueConfig], concurrency: int, memory
         most = max(need(c, concurrency) for c in configs)
         raise KVRescueError(f"--concurrency {concurrency} does not fit: its KV caches take {most / GIB:.2f} GiB of the "
                             f"{memory / GIB:.2f} GiB allowed (--memory); the largest concurrency that fits is {largest}")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the size checks need of a model, read from its GGUF header before llama.cpp loads it (nothing is
+    allocated): its file's name, the context it was trained on, and the shape of one KV cell. It has the
+    attributes runtime.context.kv_bytes_per_cell and kv_memory read of a Model, so both take it in a Model's stead."""
+
+    name: str
+    n_ctx_train: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+
+    @classmethod
+    def read(cls, path: str | Path) -> "ModelFacts | None":
+        """The facts of a GGUF file; None where it is missing, no GGUF or its header lacks them (opening the model
+        then says what is wrong, in the order it checks)."""
+        path = Path(path)
+        try:
+            with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                values = {key: gguf_header.string(data, at) if kind == gguf_header.STRING else
+                          gguf_header.scalar(data, at, kind)
+                          for key, kind, at, _ in gguf_header.metadata(data) if kind != gguf_header.ARRAY}
+        except (OSError, struct.error, ValueError, KVRescueError):  # unreadable, empty, cut short, not a GGUF
+            return None
+        arch = values.get("general.architecture")
+        keys = ("context_length", "block_count", "embedding_length", "attention.head_count")
+        if not all(isinstance(values.get(f"{arch}.{key}"), int) for key in keys):
+            return None
+        n_ctx_train, n_layer, n_embd, n_head = (values[f"{arch}.{key}"] for key in keys)
+        return cls(path.name, n_ctx_train, n_layer, n_embd, n_head, values.get(f"{arch}.attention.head_count_kv", n_head))
+
+
+@dataclass(frozen=True)
+class RunModels:
+    """The facts of a run's models, None where a model is not used (or its header lacks them); prm only for a
+    PRM with a context of its own."""
+
+    base: ModelFacts | None = None
+    helper: ModelFacts | None = None
+    prm: ModelFacts | None = None
+
+
+def size_text(size: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if size >= scale:
+            return f"{size / scale:,.2f} {unit}"
+    return f"{size:,.0f} B"
+
+
+def check_budget_trained(config: RescueConfig, base: Model | ModelFacts, budget_option: str) -> None:
+    """A budget or buffer beyond the base's trained context never evicts, yet would allocate cells for all of it
+    (or stall making them)."""
+    for option, value in ((budget_option, config.kv.budget), ("--buffer", config.kv.buffer)):
+        if value > base.n_ctx_train:
+            raise KVRescueError(f"{option} {value} exceeds the {base.n_ctx_train:,} positions {base.name} was "
+                                f"trained on, so it never evicts: lower {option} to at most {base.n_ctx_train:,} "
+                                "(or run --mode full for no eviction)")
+
+
+def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
+                        memory_option: str = "the memory available", prm_ctx: int = 0, problem_bytes: int = 0,
+                        budget_option: str = "--budget") -> None:
+    """Before any model loads, so before llama.cpp allocates anything: every context one problem needs, against
+    the trained context of its model and against `memory` bytes of KV caches (`memory_option` names where that
+    number came from). A trajectory (--max-tokens) or a step (--max-step-tokens) longer than the base's or the
+    helper's trained context, or a PRM context (--prm-ctx) longer than the PRM's, is refused naming its option;
+    so are caches that do not fit, each named with the options that size it. `prm_ctx` 0: the PRM's context
+    is sized from the longest problem's `problem_bytes`. The prompt's tokens are not known before the models
+    load: they count as none here (check_prompts_fit checks them once the models are open).
+
+    A plain function of the settings and the models' facts (ModelFacts.read of each GGUF), so that the server
+    checks a request's settings as the command line checks its options."""
+    if config.evicts and models.base is not None:
+        check_budget_trained(config, models.base, budget_option)
+    for model, used in ((models.base, config.uses_base), (models.helper, config.uses_helper)):
+        if model is None or not used:
+            continue
+        for option, value in (("--max-tokens", config.max_tokens), ("--max-step-tokens", config.max_step_tokens)):
+            if value > model.n_ctx_train:
+                raise KVRescueError(f"{option} {value} exceeds the {model.n_ctx_train:,} positions {model.name} was "
+                                    f"trained on, beyond which it answers garbage: lower {option} to at most "
+                                    f"{model.n_ctx_train:,}")
+    if models.prm is not None and prm_ctx > models.prm.n_ctx_train:
+        raise KVRescueError(f"--prm-ctx {prm_ctx} exceeds the {models.prm.n_ctx_train:,} positions {models.prm.name} "
+                            f"was trained on: lower --prm-ctx to at most {models.prm.n_ctx_train:,}, or pass 0 to size "
+                            "it from the problem")
+    prm_cells = prm_ctx or config.prm_context(problem_bytes)
+    need = kv_memory(config, 1, models.base, models.helper, models.prm, prm_cells, prompt_tokens=0)
+    if need > memory:
+        sized = []
+        if config.uses_base and models.base is not None:
+            sized.append(f"the evicted base by {budget_option} {config.kv.budget} and --buffer {config.kv.buffer}"
+                         if config.evicts else f"the base by --max-tokens {config.max_tokens}")
+        if config.uses_helper and models.helper is not None:
+            sized.append(f"the helper by --max-tokens {config.max_tokens}, -n {config.n} and --max-step-tokens "
+                         f"{config.max_step_tokens}")
+        if models.prm is not None and config.candidates_per_round > 1:
+            sized.append(f"the PRM by --prm-ctx {prm_ctx}" if prm_ctx else
+                         f"the PRM by the longest problem's {problem_bytes:,} bytes (--prm-ctx sizes it instead) and "
+                         f"--max-tokens {config.max_tokens}")
+        raise KVRescueError(f"the KV caches of one problem take {size_text(need)}, more than the {size_text(memory)} "
+                            f"of {memory_option}; they are sized: {'; '.join(sized)}: lower those, or raise the memory")

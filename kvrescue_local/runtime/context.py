@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import interrupts
 from ..errors import KVRescueError
 from .lib import llama, patched
 from .model import Model
@@ -193,6 +194,7 @@ class Context:
         threads = params.n_threads or default_threads()
         cp.n_threads = cp.n_threads_batch = threads
         self.handle = low.llama_init_from_model(model.handle, cp)
+        interrupts.raise_pending()  # a Ctrl-C while llama.cpp logged its allocations
         if not self.handle:
             raise KVRescueError(f"llama.cpp could not create a context (n_ctx={params.n_ctx}, n_seq_max={params.n_seq_max}): "
                                 "lower N (-n) or --max-tokens, or free memory")
@@ -323,6 +325,7 @@ class Context:
         self.decoded_tokens += n
         started = time.perf_counter()
         status = self._decode(self.handle, self.batch.struct)
+        interrupts.raise_pending()  # a Ctrl-C while llama.cpp logged from the decode
         self.decode_seconds += time.perf_counter() - started
         if status == 1:
             raise KVRescueError(f"the KV cache is full: no room for {n} more tokens in n_ctx={self.n_ctx} cells; "

@@ -11,6 +11,7 @@ import functools
 import sys
 from pathlib import Path
 
+from .. import interrupts
 from ..errors import KVRescueError
 
 REQUIRED_PATCH_LEVEL = 4
@@ -24,6 +25,7 @@ def llama():
         from llama_cpp import llama_cpp as low
     except ImportError as exc:
         raise KVRescueError(f"llama-cpp-python is not installed ({exc}); {REBUILD_HINT}") from None
+    interrupts.install()  # before llama.cpp calls back into Python
     low.llama_log_set(_quiet_log, None)
     low.llama_backend_init()
     return low
@@ -41,8 +43,19 @@ def log_errors(level: int, text: bytes | None) -> None:
         sys.stderr.write(text.decode("utf-8", "replace"))
 
 
-_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(
-    lambda level, text, user_data: log_errors(level, text))
+@interrupts.callback
+def _log(level: int, text: bytes | None, user_data) -> None:
+    log_errors(level, text)
+
+
+@interrupts.callback
+def _progress(progress: float, user_data) -> bool:
+    return not interrupts.pending()
+
+
+_quiet_log = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_log)
+# llama_progress_callback: returning false stops a model load, which Ctrl-C (noted by `interrupts`) does
+load_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(_progress)
 
 
 def bind_patch(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KVRescueError
-from .lib import llama, patched
+from .. import interrupts
+from .lib import llama, load_progress, patched
 
 GGUF_MAGIC = b"GGUF"
 
@@ -49,7 +50,9 @@ class Model:
             from .rpc import rpc_devices
 
             params.devices = ctypes.cast(rpc_devices(self.rpc), ctypes.c_void_p)
+        params.progress_callback = load_progress
         self.handle = low.llama_model_load_from_file(str(self.path).encode(), params)
+        interrupts.raise_pending()  # a Ctrl-C during the load stopped it
         if not self.handle:
             raise KVRescueError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "
                                 "architecture this llama.cpp does not know; download or convert it again")
@@ -66,6 +69,11 @@ class Model:
         self.free()
 
     # --- model constants -------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The file's name, as messages name a model."""
+        return self.path.name
+
     @property
     def n_vocab(self) -> int:
         return llama().llama_vocab_n_tokens(self.vocab)
