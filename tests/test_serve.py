@@ -215,6 +215,31 @@ def test_a_request_field_is_checked_by_its_options_own_check(toy_server, option,
     assert said in response.json()["error"]["message"]
 
 
+def test_a_request_whose_kv_caches_exceed_memory_is_refused(toy_server):
+    """--memory bounds the KV caches of any request's settings at --concurrency (all its slots are made at once);
+    the server's own settings must fit it to start."""
+    served = toy_server.served
+    own = served.kv_bytes(served.config)
+    largest = served.kv_bytes(served.config.with_overrides({"kv": {"budget": served.limits.max_budget}}))
+    assert largest > own
+    server = LoopbackServer([*TOY_ARGS, "--memory", str((own + largest) // 2)], start_engine=False)
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a=1", "budget": served.limits.max_budget})
+        assert response.status_code == 400 and "--memory" in response.json()["error"]["message"]
+    finally:
+        server.close()
+    with pytest.raises(KVRescueError, match="--memory"):
+        build_served(serve.make_context("serve", [*TOY_ARGS, "--memory", str(own - 1)]).params)
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--max-budget", "5000"], "--max-budget 5000 exceeds the 1,024 positions"),
+    (["--budget", "100", "--max-budget", "50"], "--budget 100 is over --max-budget 50")])
+def test_a_max_budget_beyond_the_base_or_below_the_budget_is_an_error(args, said):
+    with pytest.raises(KVRescueError, match=said):
+        build_served(serve.make_context("serve", [*TOY_ARGS, *args]).params)
+
+
 def test_settings_the_engine_cannot_run_fail_their_requests_alone(toy_server, monkeypatch):
     """The engine refuses the contexts of one configuration (here n=1's): its requests get a 500, the others go on."""
     engine_rescue = engine_module.Rescue
