@@ -199,6 +199,8 @@ def test_errors_are_openai_bodies_and_leave_nothing_in_the_engine(toy_server):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
     not_allowed = httpx.post(f"{toy_server.url}/v1/models")
     assert not_allowed.status_code == 405 and "GET" in not_allowed.json()["error"]["message"]
+    counted = httpx.get(f"{toy_server.url}/metrics").text
+    assert 'endpoint="unmatched",status="404"' in counted and "/v1/embeddings" not in counted
     assert toy_server.metric("kvrescue_requests_queued") == toy_server.metric("kvrescue_requests_in_flight") == 0
 
 
@@ -230,6 +232,19 @@ def test_a_request_whose_kv_caches_exceed_memory_is_refused(toy_server):
         server.close()
     with pytest.raises(KVRescueError, match="--memory"):
         build_served(serve.make_context("serve", [*TOY_ARGS, "--memory", str(own - 1)]).params)
+
+
+def test_a_budget_that_cannot_hold_a_protected_prompt_is_refused():
+    """With --protect-prompt, a request's budget must hold its prompt and the recent window: checked with the
+    prompt's tokens before the engine sees it (in the engine it would fail a round's eviction)."""
+    server = LoopbackServer([*TOY_ARGS, "--protect-prompt"], start_engine=False)
+    try:
+        response = httpx.post(f"{server.url}/v1/completions",
+                              json={"prompt": toy_dataset().problems[0].problem, "budget": 20})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "budget"
+        assert "--protect-prompt keeps the prompt's" in response.json()["error"]["message"]
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize(("args", "said"), [

@@ -87,7 +87,6 @@ class Served:
                                     ("seed", body.seed)) if v is not None}
         try:
             config = self.config.with_overrides({**fields, **({"kv": kv} if kv else {})})
-            config.check_concurrency(self.engine.concurrency)
         except KVRescueError as exc:
             raise RequestError(400, str(exc)) from None
         loaded = {"base": self.engine.models.base, "helper": self.engine.models.helper}
@@ -162,7 +161,8 @@ def create_app(served: Served) -> FastAPI:
 
     def refusal(request: Request, status: int, message: str, kind: str = "invalid_request_error",
                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:
-        metrics.respond(request.url.path, status)
+        # counted by the route's path: a model's name or a scanned URL makes no label of its own
+        metrics.respond(getattr(request.scope.get("route"), "path", "unmatched"), status)
         return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
