@@ -6,9 +6,11 @@
   latency   p50 and p95 seconds from sending a streamed request to its first committed step, 32 at once;
   soak      the server's RSS after a warm-up and after --soak-seconds of repeated requests (growth in %);
   rpc       a greedy solve with its layers on a loopback `rpc-server` against the local one (equal
-            trajectories, speed ratio); needs a build with `python3 patches/build.py --rpc`.
+            trajectories, speed ratio); needs a build with `python3 patches/build.py --rpc`;
+  refusals  seconds to each refused request (a budget of 10**12, n over -n, a 10 MB body, a prompt of 1 MB
+            that is tokenized and found too long) while 8 streams run, and the slowest /health answer meanwhile.
 
-Usage: python3 perf/serve_perf.py [--parts overhead,latency,soak,rpc] [--problems 16] [--concurrency 8]
+Usage: python3 perf/serve_perf.py [--parts overhead,latency,soak,rpc,refusals] [--problems 16] [--concurrency 8]
                                   [-n 2] [--streams 32] [--soak-seconds 600]
 """
 
@@ -153,9 +155,54 @@ def rpc(problem: str) -> None:
           f"speed ratio {seconds['local'] / seconds['rpc']:.3f}; trajectories equal: {steps['local'] == steps['rpc']}")
 
 
+def health_latencies(url: str, done: threading.Event, out: list[float]) -> None:
+    """Seconds of each /health answer, one after another, until `done` is set."""
+    with httpx.Client() as prober:  # one client: a new one per request would time its own setup
+        while not done.is_set():
+            sent = time.perf_counter()
+            prober.get(f"{url}/health", timeout=60)
+            out.append(time.perf_counter() - sent)
+            time.sleep(0.01)
+
+
+def latencies(seconds: list[float]) -> str:
+    return f"{len(seconds)} answers, median {statistics.median(seconds) * 1000:.1f} ms, slowest {max(seconds) * 1000:.1f} ms"
+
+
+def refusals(problems: list[str], n: int) -> None:
+    server = Server(["-n", str(n), "--concurrency", "8"])
+    try:
+        idle: list[float] = []
+        done = threading.Event()
+        prober = threading.Thread(target=health_latencies, args=(server.url, done, idle))
+        prober.start()
+        time.sleep(3)
+        done.set()
+        prober.join()
+        load = threading.Thread(target=at_once, args=(server.url, problems[:8], list(range(8))))
+        load.start()
+        busy: list[float] = []
+        done = threading.Event()
+        prober = threading.Thread(target=health_latencies, args=(server.url, done, busy))
+        prober.start()
+        bad = {"budget 10**12": {"budget": 10 ** 12}, f"n {n + 1} on -n {n}": {"n": n + 1},
+               "a 10 MB body": {"prompt": "a" * 10_000_000}, "a 1 MB prompt": {"prompt": "a=1 " * 250_000}}
+        with httpx.Client(timeout=60) as asker:
+            for name, body in bad.items():
+                sent = time.perf_counter()
+                response = asker.post(f"{server.url}/v1/completions", json={"prompt": problems[0], **body})
+                print(f"refusals: {name}: {response.status_code} in {time.perf_counter() - sent:.3f} s")
+        done.set()
+        prober.join()
+        load.join()
+        print(f"refusals: /health idle before: {latencies(idle)}; meanwhile: {latencies(busy)}")
+    finally:
+        server.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="overhead,latency,soak,rpc")
+    parser.add_argument("--parts", default="overhead,latency,soak,rpc,refusals")
     parser.add_argument("--problems", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("-n", type=int, default=2)
@@ -170,6 +217,8 @@ def main() -> None:
         latency_and_soak(problems, args.streams, args.n, args.soak_seconds, parts)
     if "rpc" in parts:
         rpc(problems[0])
+    if "refusals" in parts:
+        refusals(problems, args.n)
 
 
 if __name__ == "__main__":

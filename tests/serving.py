@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 
 import httpx
 import uvicorn
 
-from kvrescue_local.cli.serve import build_served, serve
+from kvrescue_local.cli.serve import build_served, listening_socket, serve
 from kvrescue_local.serve.app import create_app
 
 
@@ -19,8 +18,7 @@ class LoopbackServer:
 
     def __init__(self, args: list[str], start_engine: bool = True) -> None:
         self.served = build_served(serve.make_context("serve", list(args)).params)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = listening_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.served), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

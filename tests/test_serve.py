@@ -6,15 +6,21 @@ import socket
 import threading
 import time
 
+import click
 import httpx
 import pytest
+from click.testing import CliRunner
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from kvrescue_local.bench.datasets import toy_dataset  # noqa: E402
+from kvrescue_local.cli import main  # noqa: E402
 from kvrescue_local.cli.serve import build_served, serve  # noqa: E402
-from kvrescue_local.rescue import Rescue, longest_prompt  # noqa: E402
+from kvrescue_local.errors import KVRescueError  # noqa: E402
+from kvrescue_local.rescue import Rescue, longest_prompt, loop  # noqa: E402
+from kvrescue_local.serve import engine as engine_module  # noqa: E402
+from kvrescue_local.serve.schemas import MAX_MESSAGES  # noqa: E402
 from serving import LoopbackServer  # noqa: E402
 
 # An f32 KV cache: with f16 cells the rounding of a K or V value amplifies the float-order differences that
@@ -75,7 +81,18 @@ def test_chat_and_completions_streamed_and_not_equal_solve(toy_server, toy_solve
     streamed = "".join(c.choices[0].text for c in api.completions.create(model="toy", prompt=problem, seed=5, stream=True))
     assert streamed == expected.text
     assert [m.id for m in api.models.list().data] == [toy_server.served.model_id]
+    assert api.models.retrieve("toy").id == api.models.retrieve(toy_server.served.model_id).id == "toy-kvrescue"
     assert httpx.get(f"{toy_server.url}/health").json() == {"status": "ok"}
+
+
+def test_an_unknown_model_is_a_404_in_openai_shape(toy_server):
+    api = client(toy_server)
+    for ask in (lambda: api.models.retrieve("gpt-4o-nonexistent"),
+                lambda: api.chat.completions.create(model="gpt-4o-nonexistent",
+                                                    messages=[{"role": "user", "content": "a=1\nCompute 1 terms: a."}])):
+        with pytest.raises(openai.NotFoundError) as missing:
+            ask()
+        assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
 
 
 def test_stop_and_max_tokens_end_a_request_early(toy_server, toy_solver):
@@ -86,9 +103,18 @@ def test_stop_and_max_tokens_end_a_request_early(toy_server, toy_solver):
     stop = first_step[len(first_step) // 2:][:3]
     cut = api.completions.create(model="toy", prompt=problem, seed=2, stop=[stop])
     assert cut.choices[0].text == expected.text[:expected.text.find(stop)]
-    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["kvrescue"]["stop"] == "stop_sequence"
     short = api.completions.create(model="toy", prompt=problem, seed=2, max_tokens=1)
     assert short.choices[0].text == first_step and short.choices[0].finish_reason == "length"
+    assert short.choices[0].model_extra["kvrescue"]["stop"] == "max_tokens"
+    # max_completion_tokens is max_tokens' new name; a chat message's content may be a list of text parts
+    chat = api.chat.completions.create(model="toy", seed=2, max_completion_tokens=1,
+                                       messages=[{"role": "user", "content": [{"type": "text", "text": problem}]}])
+    assert chat.choices[0].message.content == first_step and chat.choices[0].finish_reason == "length"
+    streamed = list(api.chat.completions.create(model="toy", seed=2, max_completion_tokens=1, stream=True,
+                                                messages=[{"role": "user", "content": problem}]))
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert streamed[-1].choices[0].model_extra["kvrescue"]["stop"] == "max_tokens"
     toy_server.wait_idle()
 
 
@@ -101,11 +127,20 @@ def test_32_concurrent_streams_each_equal_solve_with_its_seed(toy_server, toy_so
         got[i] = list(api.chat.completions.create(model="toy", messages=[{"role": "user", "content": problems[i]}],
                                                   seed=100 + i, stream=True))
 
+    refused = {}
+
+    def refuse(name: str, body: dict) -> None:
+        refused[name] = httpx.post(f"{toy_server.url}/v1/completions", json=body, timeout=120)
+
+    bad = {"seed": {"seed": -1, "choice": "random"}, "budget": {"budget": 10 ** 12}, "n": {"n": 3},
+           "body": {"prompt": "a" * 10_000_000}}
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
+    threads += [threading.Thread(target=refuse, args=(name, {"prompt": problems[0], **body})) for name, body in bad.items()]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert {name: r.status_code for name, r in refused.items()} == dict.fromkeys(bad, 400)
     assert sorted(got) == list(range(32))
     for i, chunks in got.items():
         expected = solved(toy_solver, problems[i], seed=100 + i)
@@ -114,39 +149,259 @@ def test_32_concurrent_streams_each_equal_solve_with_its_seed(toy_server, toy_so
     toy_server.wait_idle()
 
 
+def chunks_of(text: bytes, size: int):
+    """A body sent without a Content-Length (chunked)."""
+    for at in range(0, len(text), size):
+        yield text[at:at + size]
+
+
 def test_errors_are_openai_bodies_and_leave_nothing_in_the_engine(toy_server):
+    problem = toy_dataset().problems[0].problem
+    chat = [{"role": "user", "content": problem}]
+    json_body = {"headers": {"content-type": "application/json"}}
+    cases = {
+        "bad json": ("completions", dict(content=b"{not json", **json_body)),
+        "wrong type": ("completions", dict(json={"prompt": problem, "max_tokens": "many"})),
+        "unknown mode": ("completions", dict(json={"prompt": problem, "mode": "fast"})),
+        "unknown policy": ("completions", dict(json={"prompt": problem, "mode": "bon", "policy": "lru"})),
+        "a policy option twice": ("completions", dict(json={"prompt": problem, "policy": "rkv:lam=0.1,lam=0.2"})),
+        "too long": ("completions", dict(json={"prompt": "a=1 " * 2000})),
+        "over max_tokens": ("completions", dict(json={"prompt": problem, "max_tokens": 10 ** 6})),
+        "n over -n": ("completions", dict(json={"prompt": problem, "n": 3})),
+        "a huge budget": ("completions", dict(json={"prompt": problem, "budget": 10 ** 12})),
+        "a negative seed": ("completions", dict(json={"prompt": problem, "seed": -1, "choice": "random"})),
+        "a seed over 32 bits": ("completions", dict(json={"prompt": problem, "seed": 2 ** 32})),
+        "a NaN temperature": ("completions", dict(content=b'{"prompt": "a=1", "temperature": NaN}', **json_body)),
+        "five stops": ("completions", dict(json={"prompt": problem, "stop": list("abcde")})),
+        "echo": ("completions", dict(json={"prompt": problem, "echo": True})),
+        "a 10 MB body": ("completions", dict(json={"prompt": "a" * 10_000_000})),
+        "a chunked body over the limit": ("completions", dict(content=chunks_of(b"a" * 2_000_000, 65536), **json_body)),
+        "too many messages": ("chat/completions", dict(json={"messages": chat * (MAX_MESSAGES + 1)})),
+        "an image part": ("chat/completions", dict(json={"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]})),
+        "tools": ("chat/completions", dict(json={"messages": chat, "tools": [{"type": "function"}]})),
+        "logprobs": ("chat/completions", dict(json={"messages": chat, "logprobs": True})),
+        "two token limits": ("chat/completions", dict(json={"messages": chat, "max_tokens": 4,
+                                                            "max_completion_tokens": 8})),
+    }
+    for name, (path, request) in cases.items():
+        response = httpx.post(f"{toy_server.url}/v1/{path}", **request, timeout=120)
+        assert response.status_code == 400, name
+        assert response.json()["error"]["type"] == "invalid_request_error" and response.json()["error"]["message"], name
+    api = client(toy_server)
+    with pytest.raises(openai.BadRequestError, match="mode"):
+        api.completions.create(model="toy", prompt=problem, extra_body={"mode": "fast"})
+    with pytest.raises(openai.BadRequestError) as too_long:
+        api.chat.completions.create(model="toy", messages=[{"role": "user", "content": "a=1 " * 2000}])
+    assert too_long.value.code == "context_length_exceeded" and too_long.value.type == "invalid_request_error"
+    assert too_long.value.param == "messages"
+    missing = httpx.get(f"{toy_server.url}/v1/embeddings")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    not_allowed = httpx.post(f"{toy_server.url}/v1/models")
+    assert not_allowed.status_code == 405 and "GET" in not_allowed.json()["error"]["message"]
+    counted = httpx.get(f"{toy_server.url}/metrics").text
+    assert 'endpoint="unmatched",status="404"' in counted and "/v1/embeddings" not in counted
+    assert toy_server.metric("kvrescue_requests_queued") == toy_server.metric("kvrescue_requests_in_flight") == 0
+
+
+@pytest.mark.parametrize(("option", "field", "value"), [
+    ("--seed", "seed", -1), ("--seed", "seed", 2 ** 32), ("--temp", "temperature", -0.5), ("--top-p", "top_p", 0),
+    ("-n", "n", 0), ("--budget", "budget", 0), ("--policy", "policy", "rkv:lam=0.1,lam=0.2"),
+    ("--policy", "policy", "lru"), ("--mode", "mode", "fast"), ("--choice", "choice", "best")])
+def test_a_request_field_is_checked_by_its_options_own_check(toy_server, option, field, value):
+    with pytest.raises((click.BadParameter, KVRescueError)) as refused:
+        serve.make_context("serve", [option, str(value)])
+    said = refused.value.message if isinstance(refused.value, click.BadParameter) else str(refused.value)
+    response = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": "a=1", field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+    assert said in response.json()["error"]["message"]
+
+
+def test_a_request_whose_kv_caches_exceed_memory_is_refused(toy_server):
+    """--memory bounds the KV caches of any request's settings at --concurrency (all its slots are made at once);
+    the server's own settings must fit it to start."""
+    served = toy_server.served
+    own = served.kv_bytes(served.config)
+    largest = served.kv_bytes(served.config.with_overrides({"kv": {"budget": served.limits.max_budget}}))
+    assert largest > own
+    server = LoopbackServer([*TOY_ARGS, "--memory", str((own + largest) // 2)], start_engine=False)
+    try:
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a=1", "budget": served.limits.max_budget})
+        assert response.status_code == 400 and "--memory" in response.json()["error"]["message"]
+    finally:
+        server.close()
+    with pytest.raises(KVRescueError, match="--memory"):
+        build_served(serve.make_context("serve", [*TOY_ARGS, "--memory", str(own - 1)]).params)
+
+
+def test_a_budget_that_cannot_hold_a_protected_prompt_is_refused():
+    """With --protect-prompt, a request's budget must hold its prompt and the recent window: checked with the
+    prompt's tokens before the engine sees it (in the engine it would fail a round's eviction)."""
+    server = LoopbackServer([*TOY_ARGS, "--protect-prompt"], start_engine=False)
+    try:
+        response = httpx.post(f"{server.url}/v1/completions",
+                              json={"prompt": toy_dataset().problems[0].problem, "budget": 20})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "budget"
+        assert "--protect-prompt keeps the prompt's" in response.json()["error"]["message"]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--max-budget", "5000"], "--max-budget 5000 exceeds the 1,024 positions"),
+    (["--budget", "100", "--max-budget", "50"], "--budget 100 is over --max-budget 50")])
+def test_a_max_budget_beyond_the_base_or_below_the_budget_is_an_error(args, said):
+    with pytest.raises(KVRescueError, match=said):
+        build_served(serve.make_context("serve", [*TOY_ARGS, *args]).params)
+
+
+def test_settings_the_engine_cannot_run_fail_their_requests_alone(toy_server, monkeypatch):
+    """The engine refuses the contexts of one configuration (here n=1's): its requests get a 500, the others go on."""
+    engine_rescue = engine_module.Rescue
+
+    def refusing(config, *args, **kwargs):
+        if config.n == 1:
+            raise KVRescueError("these contexts cannot be made")
+        return engine_rescue(config, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "Rescue", refusing)
     url = f"{toy_server.url}/v1/completions"
     problem = toy_dataset().problems[0].problem
-    cases = {
-        "bad json": dict(content=b"{not json", headers={"content-type": "application/json"}),
-        "wrong type": dict(json={"prompt": problem, "max_tokens": "many"}),
-        "unknown mode": dict(json={"prompt": problem, "mode": "fast"}),
-        "unknown policy": dict(json={"prompt": problem, "mode": "bon", "policy": "lru"}),
-        "too long": dict(json={"prompt": "a=1 " * 2000}),
-        "over max_tokens": dict(json={"prompt": problem, "max_tokens": 10 ** 6}),
-    }
-    for name, request in cases.items():
-        response = httpx.post(url, **request)
-        assert response.status_code == 400, name
-        assert response.json()["error"]["message"], name
-    with pytest.raises(openai.BadRequestError, match="mode"):
-        client(toy_server).completions.create(model="toy", prompt=problem, extra_body={"mode": "fast"})
-
-    # N=8 needs 9 sequences per problem: 32 slots do not fit, the engine refuses it alone; the others go on
     results = {}
 
     def post(name: str, body: dict) -> None:
         results[name] = httpx.post(url, json=body, timeout=120)
 
-    threads = [threading.Thread(target=post, args=("n8", {"prompt": problem, "n": 8})),
+    threads = [threading.Thread(target=post, args=("n1", {"prompt": problem, "n": 1})),
                threading.Thread(target=post, args=("ok", {"prompt": problem, "seed": 1}))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results["n8"].status_code == 500 and "concurrency 32 does not fit" in results["n8"].json()["error"]["message"]
+    assert results["n1"].status_code == 500 and "cannot be made" in results["n1"].json()["error"]["message"]
     assert results["ok"].status_code == 200 and results["ok"].json()["choices"][0]["text"]
     toy_server.wait_idle()
+
+
+def test_one_bad_request_among_good_ones_fails_alone(toy_solver, monkeypatch):
+    """One request that fails in the engine (its choice of a step raises, as `seed: -1` with choice random once
+    did) and one the checks refuse, among six good ones in the same rounds: the first gets a 500, the second a 400
+    before the engine sees it, and every good one completes with its `solve` answer."""
+    doomed_seed = 999
+    choose = loop.choose
+
+    def failing(survivors, config, key, round_index, seed=None):
+        if seed == doomed_seed:
+            raise ValueError("expected non-negative integer")
+        return choose(survivors, config, key, round_index, seed)
+
+    monkeypatch.setattr(loop, "choose", failing)
+    server = LoopbackServer(TOY_ARGS, start_engine=False)  # everything queued first: they share their rounds
+    try:
+        problems = [p.problem for p in toy_dataset().problems[:6]]
+        api = client(server)
+        got, bad = {}, {}
+
+        def ask(i: int) -> None:
+            got[i] = list(api.chat.completions.create(model="toy", messages=[{"role": "user", "content": problems[i]}],
+                                                      seed=200 + i, stream=True))
+
+        def post(name: str, body: dict) -> None:
+            bad[name] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        threads += [threading.Thread(target=post, args=("engine", {"prompt": problems[0], "seed": doomed_seed})),
+                    threading.Thread(target=post, args=("checks", {"prompt": problems[1], "seed": -1,
+                                                                   "choice": "random"}))]
+        for t in threads:
+            t.start()
+        while server.metric("kvrescue_requests_queued") < 7:
+            time.sleep(0.01)
+        server.served.engine.start()
+        for t in threads:
+            t.join()
+        assert bad["checks"].status_code == 400 and bad["checks"].json()["error"]["param"] == "seed"
+        assert bad["engine"].status_code == 500
+        assert "expected non-negative integer" in bad["engine"].json()["error"]["message"]
+        for i, chunks in got.items():
+            expected = solved(toy_solver, problems[i], seed=200 + i)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text, i
+            assert chunks[-1].choices[0].model_extra["kvrescue"]["answer"] == expected.answer, i
+        assert sorted(got) == list(range(6))
+        server.wait_idle()
+    finally:
+        server.close()
+
+
+def test_a_request_is_checked_off_the_event_loop(toy_server, monkeypatch):
+    """A request's checks run in a worker thread (tokenizing a long prompt takes a while): /health answers while
+    one is under way."""
+    served = toy_server.served
+    checking, release = threading.Event(), threading.Event()
+    check = served.job
+
+    def held(*args):
+        checking.set()
+        release.wait(60)
+        return check(*args)
+
+    monkeypatch.setattr(served, "job", held)
+    answer = {}
+    request = threading.Thread(target=lambda: answer.update(r=httpx.post(f"{toy_server.url}/v1/completions", timeout=120,
+                                                                         json={"prompt": "a=1 " * 2000})))
+    request.start()
+    try:
+        assert checking.wait(60)
+        assert httpx.get(f"{toy_server.url}/health", timeout=30).json() == {"status": "ok"}
+    finally:
+        release.set()
+        request.join()
+    assert answer["r"].json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_bad_port_or_one_in_use_is_one_error_line():
+    runner = CliRunner()
+    bad = runner.invoke(main, ["serve", "--port", "99999"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    assert [line for line in bad.output.splitlines() if line.startswith("Error:")] == [
+        "Error: Invalid value for '--port': 99999 is not in the range 1<=x<=65535."]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        busy = runner.invoke(main, ["serve", "--port", str(port), "-t", "1"])
+    assert busy.exit_code == 1 and "serving on" not in busy.output and "Traceback" not in busy.output
+    errors = [line for line in busy.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
+
+
+def test_an_api_key_and_cors_origins(monkeypatch):
+    monkeypatch.setenv("KVRESCUE_API_KEY", "sekrit")
+    server = LoopbackServer(["--preset", "toy", "-t", "1", "-n", "2", "--concurrency", "1", "--allowed-origins",
+                             "http://app.example"], start_engine=False)
+    try:
+        url = f"{server.url}/v1"
+        with pytest.raises(openai.AuthenticationError) as refused:
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        assert refused.value.code == "invalid_api_key" and refused.value.type == "invalid_request_error"
+        assert [m.id for m in openai.OpenAI(base_url=url, api_key="sekrit").models.list().data] == ["toy-kvrescue"]
+        assert httpx.post(f"{url}/completions", json={"prompt": "a=1"}).status_code == 401
+        assert httpx.get(f"{server.url}/health").status_code == 200  # a liveness probe needs no key
+        asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        preflight = httpx.options(f"{url}/chat/completions", headers={"Origin": "http://app.example", **asks})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+        other = httpx.options(f"{url}/chat/completions", headers={"Origin": "http://elsewhere.example", **asks})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        server.close()
+
+
+def test_any_origin_by_default_and_no_key(toy_server):
+    preflight = httpx.options(f"{toy_server.url}/v1/chat/completions", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert httpx.get(f"{toy_server.url}/v1/models", headers={"Authorization": "Bearer anything"}).status_code == 200
 
 
 def test_a_full_queue_answers_429_with_retry_after():

@@ -16,11 +16,10 @@ from ..quantize import WEIGHT_TYPES
 from ..runtime.context import check_cache_types
 from .models import quantized_with_progress
 from ..files import check_writable
-from ..prm import PRM
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_prompts_fit,
-                             kv_memory, largest_fitting)
+                             largest_fitting, models_kv_memory)
 from .common import DEFAULTS, name_list, note, parse_size, search_options
 from .options import (POSITIVE, CacheTypeList, IntList, Names, PolicySpecs, check_cache_fit, check_kv_sizes,
                       check_prm_ctx)
@@ -113,11 +112,9 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
         if base is not None:
             check_kv_sizes(configs, base, longest_prompt(template, [base], problems), "--budgets")
     prompt_tokens = longest_prompt(template, [*every_base, models.helper], problems)
-    prm = models.prm if isinstance(models.prm, PRM) else None  # the PRM with a context of its own
 
     def need(config, slots: int) -> int:
-        return max(kv_memory(config, slots, base, models.helper, prm and prm.model, prm.params.n_ctx if prm else 0,
-                             prompt_tokens, helper_scores=models.prm is not None and prm is None) for base in every_base)
+        return max(models_kv_memory(config, slots, base, models.helper, models.prm, prompt_tokens) for base in every_base)
 
     fits = largest_fitting(configs, allowed, need)
     check_concurrency_fits(configs, concurrency or 1, allowed, need)

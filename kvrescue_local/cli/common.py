@@ -11,7 +11,7 @@ from ..errors import KVRescueError
 from ..files import json_text, write_output
 from ..rescue import RescueConfig
 from ..runtime.context import CACHE_TYPES
-from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, THREADS, Finite, PromptTemplate
+from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, THREADS, TOP_P, Finite, PromptTemplate
 
 DEFAULTS = RescueConfig()
 
@@ -57,8 +57,8 @@ SEARCH_OPTIONS = [
     click.option("--window", type=POSITIVE, help=f"recent entries always kept {preset_default(DEFAULTS.kv.window)}"),
     click.option("--protect-prompt/--evict-prompt", default=None,
                  help=f"never evict the prompt {preset_default(DEFAULTS.kv.protect_prompt)}"),
-    click.option("--temp", "temperature", type=Finite(0), help=preset_default(DEFAULTS.temperature)),
-    click.option("--top-p", type=Finite(0, 1, low_open=True), help=preset_default(DEFAULTS.top_p)),
+    click.option("--temp", "temperature", type=TEMPERATURE, help=preset_default(DEFAULTS.temperature)),
+    click.option("--top-p", type=TOP_P, help=preset_default(DEFAULTS.top_p)),
     click.option("--seed", "-s", type=SEED, help=preset_default(DEFAULTS.seed)),
     click.option("--n-gpu-layers", "-ngl", type=click.IntRange(min=-1), help=preset_default(DEFAULTS.n_gpu_layers)),
     click.option("--threads", "-t", type=THREADS,

@@ -15,7 +15,8 @@ import click
 from ..errors import KVRescueError
 from ..eviction import policy_specs
 from ..files import check_encodable
-from ..rescue import RescueConfig
+from ..rescue import MODES, RescueConfig
+from ..rescue.config import CHOICES
 from ..rescue.limits import check_budget_trained
 from ..runtime import Model
 from ..runtime.context import CACHE_TYPES, check_cache_blocks
@@ -25,6 +26,9 @@ SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 3
 THREADS = click.IntRange(0, MAX_THREADS)
 POSITIVE = click.IntRange(min=1)
 NON_NEGATIVE = click.IntRange(min=0)
+PORT = click.IntRange(1, 65535)
+MODE = click.Choice(MODES)
+CHOICE = click.Choice(CHOICES)
 
 
 class Finite(click.ParamType):
@@ -57,6 +61,10 @@ class Finite(click.ParamType):
         if too_low or too_high:
             self.fail(f"{number:g} is out of range: it must be {self.range_text()}", param, ctx)
         return number
+
+
+TEMPERATURE = Finite(0)
+TOP_P = Finite(0, 1, low_open=True)
 
 
 def comma_items(value) -> list[str]:
@@ -115,6 +123,21 @@ class PolicySpecs(click.ParamType):
         if repeated:
             self.fail(f"{', '.join(repeated)} is given more than once: name each policy once", param, ctx)
         return specs if self.several else specs[0]
+
+
+POLICY = PolicySpecs(several=False)
+
+
+def checked(kind: click.ParamType, value):
+    """`value` checked and converted by an option's type outside the command line (a served request's field): the
+    server applies the very checks of the option that sets the field's default. A bad value raises ValueError with
+    the option's message."""
+    try:
+        return kind.convert(value, None, None)
+    except click.BadParameter as exc:
+        raise ValueError(exc.message) from None
+    except KVRescueError as exc:  # a policy spec's own check
+        raise ValueError(str(exc)) from None
 
 
 class Names(click.ParamType):

@@ -15,9 +15,11 @@ from .. import gguf_header
 from ..errors import KVRescueError
 from ..eviction import make_policy
 from ..files import check_encodable
+from ..prm import PRM
 from ..runtime import Model
 from ..runtime.context import N_CTX_PAD, kv_bytes_per_cell
 from .config import RescueConfig
+from .judge import HelperHead
 
 GIB = 1024 ** 3
 
@@ -71,6 +73,15 @@ def kv_memory(config: RescueConfig, slots: int, base: Model | None, helper: Mode
     if prm is not None and config.candidates_per_round > 1:
         total += padded(slots * max(0, prm_cells - config.n_batch) + config.n_batch) * kv_bytes_per_cell(prm, "f16", "f16")
     return total
+
+
+def models_kv_memory(config: RescueConfig, slots: int, base: Model | None, helper: Model | None,
+                     judge: PRM | HelperHead | None, prompt_tokens: int) -> int:
+    """kv_memory of a run's models: a PRM with a context of its own adds that context (its cells per problem as
+    opened), a head on the helper's context (`--prm helper`) the base candidates the helper reads."""
+    prm = judge if isinstance(judge, PRM) else None
+    return kv_memory(config, slots, base, helper, prm and prm.model, prm.params.n_ctx if prm else 0, prompt_tokens,
+                     helper_scores=judge is not None and prm is None)
 
 
 def available_memory() -> int:

@@ -90,6 +90,12 @@ def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: 
     return next(c for c, score in zip(survivors, scores) if score >= best - config.pick_margin)
 
 
+def own_failure(exc: Exception) -> str:
+    """The error of a problem whose own work failed (any other exception than the project's named by its type)."""
+    detail = str(exc) if isinstance(exc, KVRescueError) else f"{type(exc).__name__}: {exc}"
+    return f"solving this problem failed: {detail}"
+
+
 @dataclass
 class Solving:
     """A problem in flight: its slot, its trajectory so far and the seconds charged to it."""
@@ -196,15 +202,18 @@ class Rescue:
         solving = Solving(item, slot, Trajectory(problem, self.config.as_dict()), problem_key(problem),
                           time.perf_counter())
         prompt = self.config.prompt.format(problem=problem)
-        for gen in self.sides.values():
-            tokens = gen.model.tokenize(prompt)
-            if len(tokens) > self.prompt_tokens_max:
-                solving.error = (f"the problem is {len(tokens)} tokens long, over the {self.prompt_tokens_max} "
-                                 "reserved for the prompt: shorten it or raise prompt_tokens_max")
-                return solving
-            gen.start(slot, tokens)
-        if self.prm:
-            self.prm.start(problem, slot)
+        try:  # a failure here is the problem's own: its slot ends at once, the others are not touched
+            for gen in self.sides.values():
+                tokens = gen.model.tokenize(prompt)
+                if len(tokens) > self.prompt_tokens_max:
+                    solving.error = (f"the problem is {len(tokens)} tokens long, over the {self.prompt_tokens_max} "
+                                     "reserved for the prompt: shorten it or raise prompt_tokens_max")
+                    return solving
+                gen.start(slot, tokens)
+            if self.prm:
+                self.prm.start(problem, slot)
+        except Exception as exc:  # noqa: BLE001 - as in advance_alone
+            solving.error = own_failure(exc)
         return solving
 
     def round(self, flying: list[Solving], on_step) -> list[Solving]:
@@ -223,7 +232,7 @@ class Rescue:
             for s in flying:
                 s.drafts += drafts[s.slot]
         self.score([s for s in flying if sum(not c.killed for c in s.drafts) > 1])
-        finished = [s for s in flying if self.advance(s, on_step)]
+        finished = [s for s in flying if self.advance_alone(s, on_step)]
         costs = {f"llama_{name}": g.llama_seconds - llama_before[name] for name, g in self.sides.items()}
         # the helper context's time scoring is the PRM's, but for the base winners' tokens it read, which the
         # helper commits with any choice: those are the helper's, as a commit of their text would be
@@ -255,6 +264,15 @@ class Rescue:
             for cand in (c for c in s.drafts if not c.killed):
                 cand.score = float(by_text[cand.content])
         self.prm_seconds += time.perf_counter() - t0
+
+    def advance_alone(self, s: Solving, on_step) -> bool:
+        """advance, where a failure in the problem's own work (its choice, its commit, the caller's on_step) ends
+        that problem with the error and leaves the others' round as it is: only its own sequences were touched."""
+        try:
+            return self.advance(s, on_step)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this problem's error, not the run's
+            s.error = own_failure(exc)
+            return True
 
     def advance(self, s: Solving, on_step) -> bool:
         """Commit the problem's winner of this round; True when the problem is finished."""

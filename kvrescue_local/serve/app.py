@@ -1,101 +1,133 @@
-"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and
-/metrics. A request is validated here (400), queued on the engine (429 when full) and answered from the
-events the engine thread sends: SSE chunks as steps are committed, or one response at the end."""
+"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus
+/health and /metrics. A request passes the server's gates (its API key when the server has one, the size of its
+body: access.py), is checked whole in a worker thread (400: its fields against the server's limits, its prompt
+tokenized against the cells reserved), queued on the engine (429 when full) and answered from the events the
+engine thread sends: SSE chunks as steps are committed, or one response at the end. Every error is OpenAI's
+shape: {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
 
+from ..cli.options import check_kv_sizes
 from ..errors import KVRescueError
-from ..eviction import make_policy
 from ..rescue import RescueConfig
-from ..rescue.limits import check_problem
+from ..rescue.limits import GIB, check_problem
 from ..runtime import Model
+from .access import BodyLimit, RequestError, authorized, error_body
 from .engine import Engine, Job, QueueFull
 from .schemas import EXTENSION, ChatRequest, CompletionRequest, RescueFields
 
 RETRY_AFTER_SECONDS = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its response; nobody receives it
+ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health and /metrics"
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, kind: str) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server, set when it starts (-n and --max-tokens are its settings',
+    Served.config): the most budget, the bytes of KV cache the engine's contexts may take in a request's
+    configuration, the bytes of a request body."""
 
-
-def error_body(message: str, kind: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    max_budget: int
+    memory: int
+    request_bytes: int
 
 
 @dataclass
 class Served:
-    """What the app serves: the engine, the server's settings (a request's defaults), the models that read
-    prompts (their lengths are checked against the reserved prompt cells) and the most candidates per round the
-    PRM scores (None: no PRM)."""
+    """What the app serves: the engine, the server's settings (a request's defaults, and with -n and --max-tokens
+    the most it may ask), the models that read prompts (their lengths are checked against the reserved prompt
+    cells), whether a PRM is loaded, the limits, the KV bytes of the engine's contexts in a configuration, the names
+    a request's `model` may give (the served id first), the API key (None: none asked) and the origins browsers may
+    call from (CORS)."""
 
     engine: Engine
     config: RescueConfig
-    model_id: str
+    model_names: tuple[str, ...]
     prompt_models: list[Model]
-    max_candidates: int | None
+    has_prm: bool
+    limits: Limits
+    kv_bytes: Callable[[RescueConfig], int]
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+
+    @property
+    def model_id(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise RequestError(404, f"The model `{name}` does not exist: this server serves {self.model_id} (its names: "
+                                    f"{', '.join(self.model_names)})", param="model", code="model_not_found")
 
     def request_config(self, body: RescueFields) -> RescueConfig:
+        asked = (("n", body.n, self.config.n, "-n"), ("budget", body.budget, self.limits.max_budget, "--max-budget"),
+                 ("max_tokens", body.token_limit, self.config.max_tokens, "--max-tokens"))
+        for field, value, most, option in asked:
+            if value is not None and value > most:
+                raise RequestError(400, f"{field}={value} is over this server's {option} {most}, the most a request "
+                                        f"may ask: ask for at most {most}, or restart the server with a larger {option}",
+                                   param=field)
         kv = {k: v for k, v in (("budget", body.budget), ("policy", body.policy)) if v is not None}
         fields = {k: v for k, v in (("mode", body.mode), ("n", body.n), ("choice", body.choice),
                                     ("temperature", body.temperature), ("top_p", body.top_p),
                                     ("seed", body.seed)) if v is not None}
-        if body.max_tokens is not None and body.max_tokens > self.config.max_tokens:
-            raise RequestError(400, f"max_tokens={body.max_tokens} is over the server's {self.config.max_tokens} (its "
-                                    "contexts are sized for that): ask for less or restart it with a larger --max-tokens",
-                               "invalid_request_error")
         try:
             config = self.config.with_overrides({**fields, **({"kv": kv} if kv else {})})
-            if config.evicts:
-                make_policy(config.kv.policy)
         except KVRescueError as exc:
-            raise RequestError(400, str(exc), "invalid_request_error") from None
+            raise RequestError(400, str(exc)) from None
         loaded = {"base": self.engine.models.base, "helper": self.engine.models.helper}
         missing = [side for side in ("base", "helper") if getattr(config, f"uses_{side}") and loaded[side] is None]
-        missing += ["a PRM"] if config.needs_prm and not self.max_candidates else []
+        missing += ["a PRM"] if config.needs_prm and not self.has_prm else []
         if missing:
             raise RequestError(400, f"mode {config.mode} with {config.candidates_per_round} candidates per round needs "
                                     f"{' and '.join(missing)}, which this server has not loaded: ask for another mode "
-                                    "(or n=1), or start the server in that mode", "invalid_request_error")
-        if config.needs_prm and config.candidates_per_round > self.max_candidates:
-            raise RequestError(400, f"{config.candidates_per_round} candidates per round are more than the server's PRM "
-                                    f"scores at once ({self.max_candidates}): lower n or restart the server with a "
-                                    "larger -n", "invalid_request_error")
+                                    "(or n=1), or start the server in that mode", param="mode")
+        need = self.kv_bytes(config)
+        if need > self.limits.memory:
+            raise RequestError(400, f"these settings' KV caches take {need / GIB:.2f} GiB for the server's "
+                                    f"{self.engine.concurrency} requests at once, over the {self.limits.memory / GIB:.2f}"
+                                    " GiB it may use (--memory): ask for a smaller budget or n, or restart the server "
+                                    "with a larger --memory")
         return config
 
-    def job(self, body: ChatRequest | CompletionRequest) -> Job:
+    def job(self, body: ChatRequest | CompletionRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        """The request's job, every field checked; called in a worker thread, as tokenizing a long prompt takes a
+        while and the event loop answers others meanwhile."""
+        self.check_model(body.model)
+        where = "messages" if isinstance(body, ChatRequest) else "prompt"
         problem = body.problem()
         if problem is None:
-            raise RequestError(400, "the messages hold no user message: the last one is the problem",
-                               "invalid_request_error")
+            raise RequestError(400, "the messages hold no user message: the last one is the problem", param=where)
         try:
             check_problem(problem, "the prompt")
         except KVRescueError as exc:
-            raise RequestError(400, str(exc), "invalid_request_error") from None
+            raise RequestError(400, str(exc), param=where) from None
         config = self.request_config(body)
         prompt = config.prompt.format(problem=problem)
         prompt_tokens = max(len(m.tokenize(prompt)) for m in self.prompt_models)
         if prompt_tokens > self.engine.prompt_tokens_max:
             raise RequestError(400, f"the prompt is {prompt_tokens} tokens with the template, over the "
                                     f"{self.engine.prompt_tokens_max} this server reserves: shorten it or restart the "
-                                    "server with a larger --prompt-tokens", "context_length_exceeded")
-        return Job(problem, config, body.max_tokens or config.max_tokens, body.stops(), prompt_tokens,
-                   asyncio.get_running_loop())
+                                    "server with a larger --prompt-tokens", param=where, code="context_length_exceeded")
+        try:  # a budget that cannot hold a protected prompt would fail in the middle of an eviction
+            check_kv_sizes([config], self.engine.models.base, prompt_tokens, "budget")
+        except KVRescueError as exc:
+            raise RequestError(400, str(exc), param="budget") from None
+        return Job(problem, config, body.token_limit or config.max_tokens, body.stops(), prompt_tokens, loop)
 
 
 async def client_gone(request: Request) -> None:
@@ -123,8 +155,15 @@ async def events_while_connected(request: Request, job: Job):
 
 
 def create_app(served: Served) -> FastAPI:
-    app = FastAPI(title="kvrescue-local", docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvrescue-local", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = served.engine.metrics
+    api = APIRouter(dependencies=[Depends(authorized(served.api_key))])  # all but /health
+
+    def refusal(request: Request, status: int, message: str, kind: str = "invalid_request_error",
+                param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+        # counted by the route's path: a model's name or a scanned URL makes no label of its own
+        metrics.respond(getattr(request.scope.get("route"), "path", "unmatched"), status)
+        return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -133,31 +172,45 @@ def create_app(served: Served) -> FastAPI:
             message, where = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})", ""
         else:
             where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
-        metrics.respond(request.url.path, 400)
-        return JSONResponse(error_body(message, "invalid_request_error", where or None), status_code=400)
+            reason = first.get("msg", "invalid request").removeprefix("Value error, ")
+            message = f"{where + ': ' if where else ''}{reason}"
+        return refusal(request, 400, message, param=where or None)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError):
-        metrics.respond(request.url.path, exc.status)
         headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if exc.status == 429 else None
-        return JSONResponse(error_body(exc.message, exc.kind), status_code=exc.status, headers=headers)
+        return refusal(request, exc.status, exc.message, exc.kind, exc.param, exc.code, headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where}): this server answers {ROUTES}",
+                   405: f"{where} is not allowed: use {(exc.headers or {}).get('Allow', 'another method')}"}
+        return refusal(request, exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                       headers=exc.headers)
 
     @app.get("/health")
     async def health():
         return {"status": "ok" if served.engine.thread.is_alive() else "engine stopped"}
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    def model_card() -> dict:
+        return {"id": served.model_id, "object": "model", "created": 0, "owned_by": "kvrescue-local"}
+
+    @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": 0,
-                                            "owned_by": "kvrescue-local"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{name:path}")
+    async def model(name: str):
+        served.check_model(name)
+        return model_card()
 
     async def complete(request: Request, body, chat: bool):
-        job = served.job(body)
+        job = await asyncio.to_thread(served.job, body, asyncio.get_running_loop())
         try:
             served.engine.submit(job)
         except QueueFull as exc:
@@ -224,12 +277,17 @@ def create_app(served: Served) -> FastAPI:
         finally:  # a client gone mid-stream (the generator is cancelled): its slot goes at the next round
             job.cancelled = True
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         return await complete(request, body, chat=True)
 
-    @app.post("/v1/completions")
+    @api.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         return await complete(request, body, chat=False)
 
+    app.include_router(api)
+    app.add_middleware(BodyLimit, limit=served.limits.request_bytes)
+    if served.allowed_origins:  # outermost: a browser's preflight is answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(served.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app

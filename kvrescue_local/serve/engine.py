@@ -6,7 +6,9 @@ choice, temperature, top-p) share a run; each carries its own seed, so its traje
 gives with that seed. When the oldest waiting request needs another configuration, the run stops taking
 new requests, finishes those in flight and the next run builds that configuration's contexts. Events go
 back to each request's asyncio queue through its event loop; a request cancelled by its client (or done
-by a stop sequence or its max_tokens) leaves its slot before the next round.
+by a stop sequence or its max_tokens) leaves its slot before the next round. A failure inside a round (the
+shared decode) fails the requests in that round; one in a problem's own work fails that request alone
+(Rescue.run).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ..errors import KVRescueError
 from ..rescue import Rescue, RescueConfig, Step, Trajectory
 from .metrics import Metrics
 
-LENGTH_STOPS = ("max_tokens", "max_steps")
+LENGTH_STOPS = ("max_tokens", "max_steps")  # the `kvrescue.stop`s whose finish_reason is "length"
 
 
 class QueueFull(KVRescueError):
@@ -46,7 +48,7 @@ class Job:
     cancelled: bool = False
     text: str = ""
     tokens: int = 0
-    finish: str | None = None  # "stop" or "length" when the request ends before its trajectory does
+    finish: str | None = None  # "stop_sequence" or "max_tokens" when the request ends before its trajectory does
 
     def send(self, kind: str, payload) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
@@ -173,11 +175,11 @@ class Engine:
         text = job.text + step.text
         cut = min((i for i in (text.find(s) for s in job.stops) if i >= 0), default=-1)
         if cut >= 0:
-            text, job.finish = text[:cut], "stop"
+            text, job.finish = text[:cut], "stop_sequence"
         delta, job.text = text[len(job.text):], text
         job.tokens += step_tokens(step)
         if job.tokens >= job.max_tokens and not job.finish:
-            job.finish = "length"
+            job.finish = "max_tokens"
         if job.first_step is None:
             job.first_step = time.perf_counter()
         job.send("step", {"text": delta, "source": step.source, "score": step.score, "round": step.round})
@@ -193,9 +195,9 @@ class Engine:
         if error and not job.finish:
             job.send("error", (500, error))
             return
-        reason = job.finish or ("length" if trajectory.stop in LENGTH_STOPS else "stop")
-        job.send("done", {"finish_reason": reason, "answer": trajectory.answer, "stop": trajectory.stop,
-                          "usage": {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.tokens,
-                                    "total_tokens": job.prompt_tokens + job.tokens,
-                                    "base_tokens": trajectory.tokens.get("base", 0),
-                                    "helper_tokens": trajectory.tokens.get("helper", 0)}})
+        stop = job.finish or trajectory.stop  # finish_reason follows from it: the two always agree
+        job.send("done", {"finish_reason": "length" if stop in LENGTH_STOPS else "stop", "answer": trajectory.answer,
+                          "stop": stop, "usage": {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.tokens,
+                                                  "total_tokens": job.prompt_tokens + job.tokens,
+                                                  "base_tokens": trajectory.tokens.get("base", 0),
+                                                  "helper_tokens": trajectory.tokens.get("helper", 0)}})

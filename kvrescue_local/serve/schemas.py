@@ -1,62 +1,133 @@
 """The request bodies of /v1/chat/completions and /v1/completions (OpenAI's fields, plus the rescue
-settings as extension fields) and the chunks and responses sent back."""
+settings as extension fields) and the chunks and responses sent back.
+
+A field that an option of `serve` gives the default of is checked by that option's own click type
+(cli/options.py), so a request cannot ask what the command line refuses; the limits of the running server
+(-n, --max-budget, --max-tokens, --memory) are Served's checks (app.py). docs/serving.md lists every OpenAI
+field as supported, ignored or refused."""
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+import click
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..rescue import MODES
-from ..rescue.config import CHOICES
+from ..cli.options import CHOICE, MODE, POLICY, POSITIVE, SEED, TEMPERATURE, TOP_P, checked
 
 EXTENSION = "kvrescue"  # the key of the extension field on chunks and choices: standard clients ignore it
+MAX_MESSAGES = 1024  # the problem is the last user message; a longer chat is no request this server answers
+MAX_STOPS = 4  # OpenAI's limit on stop sequences
+
+
+def option(kind: click.ParamType) -> AfterValidator:
+    """A field checked by the type of the command-line option that sets its default."""
+    return AfterValidator(lambda value: value if value is None else checked(kind, value))
+
+
+def unsupported(*neutral) -> AfterValidator:
+    """An OpenAI field whose effect this server cannot give (tool calls, log-probabilities, a JSON schema): refused
+    unless it asks for nothing (None or one of `neutral`), as a client relying on it would act on an answer that
+    ignored it."""
+    def check(value):
+        if value is not None and value not in neutral:
+            raise ValueError("this server does not support it (the engine answers in committed steps of text): "
+                             "leave it out")
+        return value
+    return AfterValidator(check)
 
 
 class RescueFields(BaseModel):
     """What every completion request may set; unknown fields are ignored, as OpenAI's own server does with
-    fields it does not use (logprobs, user, ...)."""
+    fields it does not use (user, metadata, ...)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    max_tokens: Annotated[int | None, option(POSITIVE)] = None
+    temperature: Annotated[float | None, option(TEMPERATURE)] = None
+    top_p: Annotated[float | None, option(TOP_P)] = None
+    seed: Annotated[int | None, option(SEED)] = None
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOPS)], None] = None
     stream: bool = False
+    logprobs: Annotated[Any, unsupported(False, 0)] = None
     # the rescue settings: defaults are the server's
-    mode: Literal[MODES] | None = None  # type: ignore[valid-type]
-    n: int | None = Field(None, ge=1)
-    budget: int | None = Field(None, ge=1)
-    policy: str | None = None
-    choice: Literal[CHOICES] | None = None  # type: ignore[valid-type]
+    mode: Annotated[str | None, option(MODE)] = None
+    n: Annotated[int | None, option(POSITIVE)] = None
+    budget: Annotated[int | None, option(POSITIVE)] = None
+    policy: Annotated[str | None, option(POLICY)] = None
+    choice: Annotated[str | None, option(CHOICE)] = None
 
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
+    @property
+    def token_limit(self) -> int | None:
+        """The committed tokens the request may take: max_tokens (chat: or max_completion_tokens, its new name)."""
+        return self.max_tokens
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | None = None  # an assistant message that called tools has none
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_of_parts(cls, content):
+        """Content as a list of parts is the text of its text parts, one per line; a part of another kind (an
+        image, audio, a file) is refused, as this server reads text only."""
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"a content part of type {kind!r}: this server reads text parts only, "
+                                 '{"type": "text", "text": "..."}')
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatRequest(RescueFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: Annotated[int | None, option(POSITIVE)] = None
+    top_logprobs: Annotated[Any, unsupported(0)] = None
+    tools: Annotated[Any, unsupported([])] = None
+    tool_choice: Annotated[Any, unsupported("none")] = None
+    functions: Annotated[Any, unsupported([])] = None
+    function_call: Annotated[Any, unsupported("none")] = None
+    response_format: Annotated[Any, unsupported({"type": "text"})] = None
+    audio: Annotated[Any, unsupported()] = None
+    modalities: Annotated[Any, unsupported(["text"])] = None
+    prediction: Annotated[Any, unsupported()] = None
+    web_search_options: Annotated[Any, unsupported()] = None
+
+    @model_validator(mode="after")
+    def one_token_limit(self) -> ChatRequest:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} "
+                             "disagree: give one of them (max_completion_tokens is max_tokens' new name)")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def problem(self) -> str | None:
         """The problem is the last user message: the engine wraps it in the model's own prompt template."""
-        users = [m.content for m in self.messages if m.role == "user"]
+        users = [m.content or "" for m in self.messages if m.role == "user"]
         return users[-1] if users else None
 
 
 class CompletionRequest(RescueFields):
     prompt: str
+    echo: Annotated[Any, unsupported(False)] = None
+    best_of: Annotated[Any, unsupported(1)] = None
+    suffix: Annotated[Any, unsupported("")] = None
 
     def problem(self) -> str:
         return self.prompt
