@@ -88,6 +88,17 @@ def library_path() -> str:
     return str(llama()._lib._name)
 
 
+@functools.cache
+def ggml_base() -> ctypes.CDLL:
+    """libggml-base beside the loaded libllama, for ggml_backend_tensor_get: a tensor's bytes from whichever
+    backend's buffer holds it (a GPU's memory cannot be read from the host through tensor->data)."""
+    llama()
+    lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml-base.so")))
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    return lib
+
+
 def backends() -> list[tuple[str, int]]:
     """(name, devices found) of every ggml backend compiled into the loaded llama.cpp: a CUDA build on a
     machine without a GPU lists CUDA with 0 devices (and runs on the CPU)."""
