@@ -99,17 +99,58 @@ def ggml_base() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def ggml() -> ctypes.CDLL:
+    """libggml beside the loaded libllama, with its backend registry and device calls declared."""
+    llama()  # loads libggml with libllama and registers the backends
+    lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    return lib
+
+
 def backends() -> list[tuple[str, int]]:
     """(name, devices found) of every ggml backend compiled into the loaded llama.cpp: a CUDA build on a
     machine without a GPU lists CUDA with 0 devices (and runs on the CPU)."""
-    llama()  # loads libggml with libllama and registers the backends
-    ggml = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
-    ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
-    ggml.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
-    ggml.ggml_backend_reg_get.restype = ctypes.c_void_p
-    ggml.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_reg_name.restype = ctypes.c_char_p
-    ggml.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
-    regs = [ggml.ggml_backend_reg_get(i) for i in range(ggml.ggml_backend_reg_count())]
-    return [(ggml.ggml_backend_reg_name(r).decode(), int(ggml.ggml_backend_reg_dev_count(r))) for r in regs]
+    lib = ggml()
+    regs = [lib.ggml_backend_reg_get(i) for i in range(lib.ggml_backend_reg_count())]
+    return [(lib.ggml_backend_reg_name(r).decode(), int(lib.ggml_backend_reg_dev_count(r))) for r in regs]
+
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+
+def devices() -> list[tuple[str, int]]:
+    """(name, ggml_backend_dev_type) of every device the loaded llama.cpp found: CPU, CUDA0, ..."""
+    lib = ggml()
+    found = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    return [(lib.ggml_backend_dev_name(d).decode(), int(lib.ggml_backend_dev_type(d))) for d in found]
+
+
+def device_list(names: tuple[str, ...]) -> ctypes.Array:
+    """The NULL-terminated llama_model_params.devices of these local devices (names as `devices()` gives them)."""
+    lib = ggml()
+    handles = [lib.ggml_backend_dev_by_name(name.encode()) for name in names]
+    missing = [name for name, handle in zip(names, handles) if not handle]
+    if missing:
+        raise KVRescueError(f"this llama.cpp has no device {', '.join(missing)}: use one of "
+                            f"{', '.join(name for name, _ in devices())} (`kvrescue-local doctor` lists them)")
+    return (ctypes.c_void_p * (len(handles) + 1))(*handles, None)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KVRescueError
-from .lib import llama, patched
+from .lib import device_list, llama, patched
 
 GGUF_MAGIC = b"GGUF"
 
@@ -36,6 +36,7 @@ class Model:
     path: Path
     n_gpu_layers: int = 0
     rpc: tuple[str, ...] = ()  # RPC servers (host:port) its offloaded layers go to, instead of local devices
+    devices: tuple[str, ...] = ()  # local devices (e.g. CUDA0) its offloaded layers go to; () = llama.cpp's choice
     handle: ctypes.c_void_p = field(init=False, repr=False)
     vocab: ctypes.c_void_p = field(init=False, repr=False)
 
@@ -49,6 +50,9 @@ class Model:
             from .rpc import rpc_devices
 
             params.devices = ctypes.cast(rpc_devices(self.rpc), ctypes.c_void_p)
+        elif self.devices:
+            chosen = device_list(self.devices)  # llama.cpp copies the list while loading
+            params.devices = ctypes.cast(chosen, ctypes.c_void_p)
         self.handle = low.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.handle:
             raise KVRescueError(f"llama.cpp could not load {self.path}: the file is truncated, corrupt or of an "

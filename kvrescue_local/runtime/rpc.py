@@ -9,10 +9,9 @@ import socket
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .lib import library_path, llama
+from .lib import GGML_BACKEND_DEVICE_TYPE_CPU, ggml, library_path, llama
 
 RPC_BUILD_HINT = "install a build with the RPC backend: `python3 patches/build.py --rpc` (README: set-up)"
-GGML_BACKEND_DEVICE_TYPE_CPU = 0
 CONNECT_TIMEOUT_S = 10
 
 
@@ -30,18 +29,6 @@ def rpc_library() -> ctypes.CDLL:
     lib.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
                                                   ctypes.POINTER(ctypes.c_void_p)]
     lib.ggml_backend_rpc_start_server.restype = None
-    return lib
-
-
-@functools.cache
-def ggml() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
-    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    lib.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
     return lib
 
 
