@@ -30,10 +30,11 @@ CPU_DEVICE_TYPE = 0
 
 def load_and_decode(path: Path, device: str, device_type: int) -> None:
     """Load the model with every layer on device (the CPU: none offloaded) and decode its prompt once."""
+    from ..compose import ALL_LAYERS
     from ..runtime import Context, ContextParams, Model
 
     offload = device_type in OFFLOAD_DEVICE_TYPES
-    model = Model(path, n_gpu_layers=-1 if offload else 0, devices=(device,) if offload else ())
+    model = Model(path, n_gpu_layers=ALL_LAYERS if offload else 0, devices=(device,) if offload else ())
     ctx = Context(model, ContextParams(n_ctx=256))
     ctx.prefill(0, model.tokenize("What is 2+3?"))
 

@@ -88,14 +88,20 @@ def library_path() -> str:
     return str(llama()._lib._name)
 
 
+# ggml_abort_callback_t: called with the message just before ggml's abort()
+GGML_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+
+
 @functools.cache
 def ggml_base() -> ctypes.CDLL:
-    """libggml-base beside the loaded libllama, for ggml_backend_tensor_get: a tensor's bytes from whichever
-    backend's buffer holds it (a GPU's memory cannot be read from the host through tensor->data)."""
+    """libggml-base beside the loaded libllama: ggml_backend_tensor_get (a tensor's bytes from whichever backend's
+    buffer holds it: a GPU's memory cannot be read from the host through tensor->data) and ggml_set_abort_callback."""
     llama()
     lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml-base.so")))
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_set_abort_callback.argtypes = [GGML_ABORT_CALLBACK]
+    lib.ggml_set_abort_callback.restype = ctypes.c_void_p
     return lib
 
 
