@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvrescue_local.bench.datasets import toy_dataset
@@ -236,3 +237,22 @@ def test_ngl_says_how_many_layers_go_to_the_rpc_servers(monkeypatch):
                    "n_gpu_layers": given}
         compose.open_model(compose.select_models(options, True, False, needs_prm=False), RescueConfig(), Path("b.gguf"))
     assert opened == [(compose.ALL_LAYERS, ("127.0.0.1:50052",)), (0, ("127.0.0.1:50052",)), (3, ("127.0.0.1:50052",))]
+
+
+@needs_rpc
+def test_the_graph_capture_reads_tensors_held_by_a_server(rpc_endpoint, base_path):
+    """cb_eval's tensors of a model whose layers live on the server are not in this process's memory: read
+    through ggml's backend API they are the local model's."""
+    from kvrescue_local.runtime import ContextParams
+    from kvrescue_local.runtime.attention import GraphCapture
+
+    captured = []
+    for model in (Model(base_path), Model(base_path, n_gpu_layers=-1, rpc=(rpc_endpoint,))):
+        capture = GraphCapture(("kq-", "Kcur-"))
+        ctx = capture.context(model, ContextParams(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off"))
+        ctx.prefill(0, model.tokenize("Q: 17+93-5? A: 105. " * 3))
+        captured.append(capture.tensors)
+    local, remote = captured
+    assert local and sorted(remote) == sorted(local)
+    for name in local:
+        np.testing.assert_allclose(remote[name], local[name], rtol=1e-5, atol=1e-6, err_msg=name)
