@@ -105,31 +105,31 @@ def ggml_base() -> ctypes.CDLL:
     return lib
 
 
+# libggml's backend registry and device calls used here: name -> (argtypes, restype)
+_P, _SIZE = ctypes.c_void_p, ctypes.c_size_t
+GGML_CALLS = {
+    "ggml_backend_reg_count": ([], _SIZE),
+    "ggml_backend_reg_get": ([_SIZE], _P),
+    "ggml_backend_reg_name": ([_P], ctypes.c_char_p),
+    "ggml_backend_reg_dev_count": ([_P], _SIZE),
+    "ggml_backend_reg_dev_get": ([_P, _SIZE], _P),
+    "ggml_backend_dev_count": ([], _SIZE),
+    "ggml_backend_dev_get": ([_SIZE], _P),
+    "ggml_backend_dev_by_name": ([ctypes.c_char_p], _P),
+    "ggml_backend_dev_by_type": ([ctypes.c_int], _P),
+    "ggml_backend_dev_name": ([_P], ctypes.c_char_p),
+    "ggml_backend_dev_type": ([_P], ctypes.c_int),
+}
+
+
 @functools.cache
 def ggml() -> ctypes.CDLL:
-    """libggml beside the loaded libllama, with its backend registry and device calls declared."""
+    """libggml beside the loaded libllama, with GGML_CALLS declared."""
     llama()  # loads libggml with libllama and registers the backends
     lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
-    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
-    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
-    lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    lib.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
-    lib.ggml_backend_dev_by_name.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_name.restype = ctypes.c_char_p
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    for name, (argtypes, restype) in GGML_CALLS.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
     return lib
 
 
