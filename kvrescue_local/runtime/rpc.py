@@ -77,7 +77,7 @@ def rpc_devices(endpoints: tuple[str, ...]) -> ctypes.Array:
 def lost_server_message(endpoints: tuple[str, ...], abort_message: str) -> str:
     """The one line a ggml abort ends in when layers live on RPC servers."""
     reason = abort_message.rsplit(": ", 1)[-1].strip() or abort_message.strip()
-    if "RPC" not in abort_message:
+    if "RPC" not in abort_message and not any(endpoint in abort_message for endpoint in endpoints):
         return f"llama.cpp stopped ({reason}); the run ended there, nothing after it was written"
     return (f"lost the RPC server at {', '.join(endpoints)} ({reason}): it was stopped, crashed or is not a "
             "`kvrescue-local rpc-server`; start it again and rerun (`bench run --resume` keeps the finished rows; "
