@@ -124,3 +124,14 @@ def test_doctor_names_the_device_whose_model_load_crashes(tmp_path):
     errors = [line for line in run.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and errors[0].startswith(
         f"Error: loading a model on CPU crashed (signal {int(signal.SIGSEGV)}, SIGSEGV)"), run.stderr
+
+
+def test_ctypes_reaches_the_loaded_ggml_libraries_not_second_copies():
+    """A wheel holds libggml.so, .so.0 and .so.0.x.y as separate files: opening another name than the one libllama
+    loaded maps a second copy, with a backend registry and an abort callback of its own."""
+    code = ("from kvrescue_local.runtime.lib import ggml, ggml_base; ggml(); ggml_base(); "
+            "maps = open('/proc/self/maps').read().splitlines(); "
+            "print('\\n'.join(sorted({line.split()[-1] for line in maps if '/libggml' in line})))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    mapped = [Path(line).name.split(".so")[0] for line in run.stdout.split()]
+    assert sorted(mapped) == sorted(set(mapped)) and {"libggml", "libggml-base"} <= set(mapped), run.stdout

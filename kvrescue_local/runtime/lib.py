@@ -88,6 +88,16 @@ def library_path() -> str:
     return str(llama()._lib._name)
 
 
+def loaded_library(name: str) -> Path:
+    """libNAME beside the loaded libllama, under the file name its dependents load it by (the soname, NAME.so.0),
+    so that ctypes reaches the copy already loaded: a wheel holds NAME.so, NAME.so.0 and NAME.so.0.x.y as separate
+    files, and opening another of them would load a second copy with its own state (backend registry, abort
+    callback)."""
+    folder = Path(library_path()).parent
+    soname = folder / f"{name}.so.0"
+    return soname if soname.exists() else folder / f"{name}.so"
+
+
 # ggml_abort_callback_t: called with the message just before ggml's abort()
 GGML_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 
@@ -97,7 +107,7 @@ def ggml_base() -> ctypes.CDLL:
     """libggml-base beside the loaded libllama: ggml_backend_tensor_get (a tensor's bytes from whichever backend's
     buffer holds it: a GPU's memory cannot be read from the host through tensor->data) and ggml_set_abort_callback."""
     llama()
-    lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml-base.so")))
+    lib = ctypes.CDLL(str(loaded_library("libggml-base")))
     lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     lib.ggml_backend_tensor_get.restype = None
     lib.ggml_set_abort_callback.argtypes = [GGML_ABORT_CALLBACK]
@@ -126,7 +136,7 @@ GGML_CALLS = {
 def ggml() -> ctypes.CDLL:
     """libggml beside the loaded libllama, with GGML_CALLS declared."""
     llama()  # loads libggml with libllama and registers the backends
-    lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
+    lib = ctypes.CDLL(str(loaded_library("libggml")))
     for name, (argtypes, restype) in GGML_CALLS.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = restype

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .lib import GGML_ABORT_CALLBACK, GGML_BACKEND_DEVICE_TYPE_CPU, ggml, ggml_base, library_path, llama
+from .lib import GGML_ABORT_CALLBACK, GGML_BACKEND_DEVICE_TYPE_CPU, ggml, ggml_base, library_path, llama, loaded_library
 
 RPC_BUILD_HINT = "install a build with the RPC backend: `python3 patches/build.py --rpc` (README: set-up)"
 CONNECT_TIMEOUT_S = 10
@@ -21,7 +21,7 @@ CONNECT_TIMEOUT_S = 10
 def rpc_library() -> ctypes.CDLL:
     """libggml-rpc beside the loaded libllama, with the calls used here declared; refused when absent."""
     llama()
-    path = Path(library_path()).with_name("libggml-rpc.so")
+    path = loaded_library("libggml-rpc")
     if not path.exists():
         raise KVRescueError(f"this llama.cpp has no RPC backend ({path.name} is not beside {Path(library_path()).name}): "
                             f"{RPC_BUILD_HINT}")
