@@ -14,6 +14,7 @@ import click
 import numpy as np
 
 from ..errors import KVRescueError
+from ..runtime.lib import GGML_BACKEND_DEVICE_TYPE_CPU, OFFLOAD_DEVICE_TYPES
 
 
 def package_version(name: str) -> str:
@@ -21,11 +22,6 @@ def package_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return "not installed"
-
-
-# the devices a model's layers are offloaded to (ggml_backend_dev_type); an accelerator (BLAS, AMX) serves the CPU's
-OFFLOAD_DEVICE_TYPES = (1, 2)  # GPU, integrated GPU
-CPU_DEVICE_TYPE = 0
 
 
 def load_and_decode(path: Path, device: str, device_type: int) -> None:
@@ -57,7 +53,7 @@ def check_load(path: Path, device: str, device_type: int) -> None:
 @click.command()
 @click.option("--n-gpu-layers", "-ngl", default=0, show_default=True, help="layers of the test model to offload")
 @click.option("--load-on", hidden=True, help="only load --model on this device and decode once (the check of each device)")
-@click.option("--device-type", hidden=True, type=int, default=CPU_DEVICE_TYPE)
+@click.option("--device-type", hidden=True, type=int, default=GGML_BACKEND_DEVICE_TYPE_CPU)
 @click.option("--model", "model_path", hidden=True, type=click.Path(dir_okay=False, path_type=Path))
 def doctor(n_gpu_layers: int, load_on: str | None, device_type: int, model_path: Path | None) -> None:
     """Check the patched llama.cpp build: load a tiny model on every device it finds, then decode, offline."""
@@ -85,7 +81,8 @@ def doctor(n_gpu_layers: int, load_on: str | None, device_type: int, model_path:
         click.echo("GPU offload: no (CPU build)")
     with tempfile.TemporaryDirectory(prefix="kvrescue-doctor-") as tmp:
         path = write_tiny_model(Path(tmp) / "tiny.gguf", TINY_BASE, seed=0)
-        checked = [(name, kind) for name, kind in devices() if kind in (CPU_DEVICE_TYPE, *OFFLOAD_DEVICE_TYPES)]
+        checked = [(name, kind) for name, kind in devices()
+                   if kind == GGML_BACKEND_DEVICE_TYPE_CPU or kind in OFFLOAD_DEVICE_TYPES]
         for name, kind in checked:
             check_load(path, name, kind)
         click.echo("model load: " + ", ".join(f"{name} ok" for name, _ in checked))

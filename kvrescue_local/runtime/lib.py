@@ -151,7 +151,10 @@ def backends() -> list[tuple[str, int]]:
     return [(lib.ggml_backend_reg_name(r).decode(), int(lib.ggml_backend_reg_dev_count(r))) for r in regs]
 
 
+# ggml_backend_dev_type: the CPU, and the devices a model's layers are offloaded to (an accelerator, BLAS or AMX,
+# serves the CPU's)
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
+OFFLOAD_DEVICE_TYPES = (1, 2)  # GPU, integrated GPU
 
 
 def devices() -> list[tuple[str, int]]:
