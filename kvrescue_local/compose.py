@@ -86,6 +86,7 @@ class Selection:
     paths: dict
     preset: Preset | None
     rpc: tuple[str, ...] = ()  # --rpc: the servers the models' layers are offloaded to
+    rpc_layers: int = ALL_LAYERS  # how many of them go there: -ngl where given, else every layer
 
     def config(self, options: dict, **overrides) -> RescueConfig:
         return preset_config(self.preset, **merged(option_overrides(options), overrides))
@@ -130,7 +131,9 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
     primary = "base" if needs_base else "helper"
     source = preset if given[primary] is None else preset_of(primary, paths[primary])
-    return Selection(paths, source, parse_endpoints(options["rpc"]) if options.get("rpc") else ())
+    rpc = parse_endpoints(options["rpc"]) if options.get("rpc") else ()
+    given_layers = options.get("n_gpu_layers")
+    return Selection(paths, source, rpc, ALL_LAYERS if given_layers is None else given_layers)
 
 
 def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_candidates: int) -> RunModels:
@@ -145,8 +148,8 @@ def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_
 
 def open_model(selection: Selection, config: RescueConfig, path: Path) -> Model:
     """A base or helper model with the run's offload: over RPC every layer goes to the servers unless -ngl says how
-    many."""
-    return Model(path, n_gpu_layers=config.n_gpu_layers or (ALL_LAYERS if selection.rpc else 0), rpc=selection.rpc)
+    many (-ngl 0: none)."""
+    return Model(path, n_gpu_layers=selection.rpc_layers if selection.rpc else config.n_gpu_layers, rpc=selection.rpc)
 
 
 def open_models(selection: Selection, config: RescueConfig, needs_base: bool, needs_helper: bool,

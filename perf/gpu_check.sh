@@ -25,8 +25,8 @@ WHEEL_TAGS=(--python-version "$GPU_PYTHON" --implementation cp --abi cp312
             --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform linux_x86_64
             --only-binary=:all:)
 TRAVEL_LIMIT_MIB=64  # what travels to the GPU machine: the working tree and the carried kit
-GPU_TESTS=(tests/test_gpu.py tests/test_attention.py tests/test_per_head.py tests/test_eviction.py
-           tests/test_runtime.py)
+GPU_TESTS=(tests/test_symbols.py tests/test_gpu.py tests/test_attention.py tests/test_per_head.py
+           tests/test_eviction.py tests/test_runtime.py)
 ALL_STEPS=build,tests,figures
 DRY_RUN_ARCH=90  # compiled for in a dry run, where no GPU names its own: the H200's (compute capability 9.0)
 

@@ -146,6 +146,9 @@ def axis_setup(axis: Axis, template: RescueConfig, models: Models) -> dict:
                  for side, model in sides.items() if model is not None for k, v in [config.cache_types(side)]}
     if sides["base"] is not None:
         out["weights"] = {"label": axis.weights, "type": file_type(models.base.path)}
+    servers = sorted({endpoint for model in sides.values() if model is not None for endpoint in model.rpc})
+    if servers:  # where the layers ran (--rpc) and how many went there: recorded, not compared on --resume
+        out["rpc"] = {"servers": servers, "n_gpu_layers": next(m for m in sides.values() if m and m.rpc).n_gpu_layers}
     return out
 
 

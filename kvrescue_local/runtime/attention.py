@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import KVRescueError
 from .context import Context, ContextParams
-from .lib import llama, patched
+from .lib import ggml_base, llama, patched
 
 _F32P = ctypes.POINTER(ctypes.c_float)
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -167,9 +167,9 @@ _GGML_TYPE_F32 = 0
 
 
 class GraphCapture:
-    """Copies named F32 tensors of each llama_decode's graph through llama.cpp's cb_eval (CPU backend, where
-    tensor data is host memory; flash attention off for `kq-<il>` and `kq_soft_max-<il>`): the reference
-    the patch's scores are tested against, and the per-head logits perf/rkv_overlap.py feeds R-KV's rule.
+    """Copies named F32 tensors of each llama_decode's graph through llama.cpp's cb_eval (flash attention off for
+    `kq-<il>` and `kq_soft_max-<il>`), read with ggml_backend_tensor_get, so from host and device buffers alike:
+    the reference the patch's scores are tested against, and the per-head logits perf/rkv_overlap.py feeds R-KV's rule.
     `tensors[name]` is [ne3][ne2, ne1, ne0] squeezed of ne3, e.g. [n_head, n_tokens, n_kv] for kq-<il>;
     wanted tensors that are not contiguous F32 are named in `skipped` (an exception cannot leave cb_eval)."""
 
@@ -191,8 +191,9 @@ class GraphCapture:
             if tensor.type != _GGML_TYPE_F32 or tensor.nb[1] != 4 * ne[0] or tensor.nb[2] != tensor.nb[1] * ne[1]:
                 self.skipped.add(name)
                 return True
-            data = ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float))
-            self.tensors[name] = np.ctypeslib.as_array(data, shape=(ne[3], ne[2], ne[1], ne[0]))[0].copy()
+            first = np.empty((ne[2], ne[1], ne[0]), np.float32)  # the tensor's first ne3 slice
+            ggml_base().ggml_backend_tensor_get(t, first.ctypes.data, 0, first.nbytes)
+            self.tensors[name] = first
         return True
 
     def context(self, model, params: ContextParams) -> Context:

@@ -101,17 +101,88 @@ def library_path() -> str:
     return str(llama()._lib._name)
 
 
+def loaded_library(name: str) -> Path:
+    """libNAME beside the loaded libllama, under the file name its dependents load it by (the soname, NAME.so.0),
+    so that ctypes reaches the copy already loaded: a wheel holds NAME.so, NAME.so.0 and NAME.so.0.x.y as separate
+    files, and opening another of them would load a second copy with its own state (backend registry, abort
+    callback)."""
+    folder = Path(library_path()).parent
+    soname = folder / f"{name}.so.0"
+    return soname if soname.exists() else folder / f"{name}.so"
+
+
+# ggml_abort_callback_t: called with the message just before ggml's abort()
+GGML_ABORT_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+
+
+@functools.cache
+def ggml_base() -> ctypes.CDLL:
+    """libggml-base beside the loaded libllama: ggml_backend_tensor_get (a tensor's bytes from whichever backend's
+    buffer holds it: a GPU's memory cannot be read from the host through tensor->data) and ggml_set_abort_callback."""
+    llama()
+    lib = ctypes.CDLL(str(loaded_library("libggml-base")))
+    lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+    lib.ggml_backend_tensor_get.restype = None
+    lib.ggml_set_abort_callback.argtypes = [GGML_ABORT_CALLBACK]
+    lib.ggml_set_abort_callback.restype = ctypes.c_void_p
+    return lib
+
+
+# libggml's backend registry and device calls used here: name -> (argtypes, restype)
+_P, _SIZE = ctypes.c_void_p, ctypes.c_size_t
+GGML_CALLS = {
+    "ggml_backend_reg_count": ([], _SIZE),
+    "ggml_backend_reg_get": ([_SIZE], _P),
+    "ggml_backend_reg_name": ([_P], ctypes.c_char_p),
+    "ggml_backend_reg_dev_count": ([_P], _SIZE),
+    "ggml_backend_reg_dev_get": ([_P, _SIZE], _P),
+    "ggml_backend_dev_count": ([], _SIZE),
+    "ggml_backend_dev_get": ([_SIZE], _P),
+    "ggml_backend_dev_by_name": ([ctypes.c_char_p], _P),
+    "ggml_backend_dev_by_type": ([ctypes.c_int], _P),
+    "ggml_backend_dev_name": ([_P], ctypes.c_char_p),
+    "ggml_backend_dev_type": ([_P], ctypes.c_int),
+}
+
+
+@functools.cache
+def ggml() -> ctypes.CDLL:
+    """libggml beside the loaded libllama, with GGML_CALLS declared."""
+    llama()  # loads libggml with libllama and registers the backends
+    lib = ctypes.CDLL(str(loaded_library("libggml")))
+    for name, (argtypes, restype) in GGML_CALLS.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
+    return lib
+
+
 def backends() -> list[tuple[str, int]]:
     """(name, devices found) of every ggml backend compiled into the loaded llama.cpp: a CUDA build on a
     machine without a GPU lists CUDA with 0 devices (and runs on the CPU)."""
-    llama()  # loads libggml with libllama and registers the backends
-    ggml = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
-    ggml.ggml_backend_reg_count.restype = ctypes.c_size_t
-    ggml.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
-    ggml.ggml_backend_reg_get.restype = ctypes.c_void_p
-    ggml.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_reg_name.restype = ctypes.c_char_p
-    ggml.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-    ggml.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
-    regs = [ggml.ggml_backend_reg_get(i) for i in range(ggml.ggml_backend_reg_count())]
-    return [(ggml.ggml_backend_reg_name(r).decode(), int(ggml.ggml_backend_reg_dev_count(r))) for r in regs]
+    lib = ggml()
+    regs = [lib.ggml_backend_reg_get(i) for i in range(lib.ggml_backend_reg_count())]
+    return [(lib.ggml_backend_reg_name(r).decode(), int(lib.ggml_backend_reg_dev_count(r))) for r in regs]
+
+
+# ggml_backend_dev_type: the CPU, and the devices a model's layers are offloaded to (an accelerator, BLAS or AMX,
+# serves the CPU's)
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+OFFLOAD_DEVICE_TYPES = (1, 2)  # GPU, integrated GPU
+
+
+def devices() -> list[tuple[str, int]]:
+    """(name, ggml_backend_dev_type) of every device the loaded llama.cpp found: CPU, CUDA0, ..."""
+    lib = ggml()
+    found = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    return [(lib.ggml_backend_dev_name(d).decode(), int(lib.ggml_backend_dev_type(d))) for d in found]
+
+
+def device_list(names: tuple[str, ...]) -> ctypes.Array:
+    """The NULL-terminated llama_model_params.devices of these local devices (names as `devices()` gives them)."""
+    lib = ggml()
+    handles = [lib.ggml_backend_dev_by_name(name.encode()) for name in names]
+    missing = [name for name, handle in zip(names, handles) if not handle]
+    if missing:
+        raise KVRescueError(f"this llama.cpp has no device {', '.join(missing)}: use one of "
+                            f"{', '.join(name for name, _ in devices())} (`kvrescue-local doctor` lists them)")
+    return (ctypes.c_void_p * (len(handles) + 1))(*handles, None)

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import KVRescueError
 from .. import interrupts
-from .lib import llama, load_progress, patched
+from .lib import device_list, llama, load_progress, patched
 
 GGUF_MAGIC = b"GGUF"
 
@@ -37,6 +37,7 @@ class Model:
     path: Path
     n_gpu_layers: int = 0
     rpc: tuple[str, ...] = ()  # RPC servers (host:port) its offloaded layers go to, instead of local devices
+    devices: tuple[str, ...] = ()  # local devices (e.g. CUDA0) its offloaded layers go to; () = llama.cpp's choice
     handle: ctypes.c_void_p = field(init=False, repr=False)
     vocab: ctypes.c_void_p = field(init=False, repr=False)
 
@@ -50,6 +51,9 @@ class Model:
             from .rpc import rpc_devices
 
             params.devices = ctypes.cast(rpc_devices(self.rpc), ctypes.c_void_p)
+        elif self.devices:
+            chosen = device_list(self.devices)  # llama.cpp copies the list while loading
+            params.devices = ctypes.cast(chosen, ctypes.c_void_p)
         params.progress_callback = load_progress
         self.handle = low.llama_model_load_from_file(str(self.path).encode(), params)
         interrupts.raise_pending()  # a Ctrl-C during the load stopped it

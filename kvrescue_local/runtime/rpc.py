@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import socket
+import sys
 from pathlib import Path
 
 from ..errors import KVRescueError
-from .lib import library_path, llama
+from .lib import GGML_ABORT_CALLBACK, GGML_BACKEND_DEVICE_TYPE_CPU, ggml, ggml_base, library_path, llama, loaded_library
 
 RPC_BUILD_HINT = "install a build with the RPC backend: `python3 patches/build.py --rpc` (README: set-up)"
-GGML_BACKEND_DEVICE_TYPE_CPU = 0
 CONNECT_TIMEOUT_S = 10
 
 
@@ -20,7 +21,7 @@ CONNECT_TIMEOUT_S = 10
 def rpc_library() -> ctypes.CDLL:
     """libggml-rpc beside the loaded libllama, with the calls used here declared; refused when absent."""
     llama()
-    path = Path(library_path()).with_name("libggml-rpc.so")
+    path = loaded_library("libggml-rpc")
     if not path.exists():
         raise KVRescueError(f"this llama.cpp has no RPC backend ({path.name} is not beside {Path(library_path()).name}): "
                             f"{RPC_BUILD_HINT}")
@@ -30,18 +31,6 @@ def rpc_library() -> ctypes.CDLL:
     lib.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
                                                   ctypes.POINTER(ctypes.c_void_p)]
     lib.ggml_backend_rpc_start_server.restype = None
-    return lib
-
-
-@functools.cache
-def ggml() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
-    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
-    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
-    lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    lib.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
     return lib
 
 
@@ -72,6 +61,7 @@ def rpc_devices(endpoints: tuple[str, ...]) -> ctypes.Array:
     """The NULL-terminated device list of llama_model_params.devices: each server's devices, connected once per
     process (what is not offloaded stays on this machine's CPU)."""
     lib = rpc_library()
+    end_on_abort(endpoints)
     devices = []
     for endpoint in endpoints:
         check_reachable(endpoint)
@@ -82,6 +72,38 @@ def rpc_devices(endpoints: tuple[str, ...]) -> ctypes.Array:
                                 "--port PORT` there (and let this machine reach it)")
         devices += [ggml().ggml_backend_reg_dev_get(reg, i) for i in range(count)]
     return (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+
+
+def lost_server_message(endpoints: tuple[str, ...], abort_message: str) -> str:
+    """The one line a ggml abort ends in when layers live on RPC servers."""
+    reason = abort_message.rsplit(": ", 1)[-1].strip() or abort_message.strip()
+    if "RPC" not in abort_message and not any(endpoint in abort_message for endpoint in endpoints):
+        return f"llama.cpp stopped ({reason}); the run ended there, nothing after it was written"
+    return (f"lost the RPC server at {', '.join(endpoints)} ({reason}): it was stopped, crashed or is not a "
+            "`kvrescue-local rpc-server`; start it again and rerun (`bench run --resume` keeps the finished rows; "
+            "a solve's --json is written only when it finishes)")
+
+
+@functools.cache
+def end_on_abort(endpoints: tuple[str, ...]) -> None:
+    """Make a ggml abort (a lost server: "Remote RPC server crashed or returned malformed response") end the process
+    with one `Error:` line and status 1 instead of abort()'s backtrace and status 134. ggml calls the callback and
+    then abort(), and it runs inside a llama.cpp call, where no exception can travel: so it writes the line and
+    leaves with os._exit. Finished results rows are on disk already (each is flushed as it is written) and a
+    --json is written whole or not at all, so nothing finished is lost."""
+
+    def on_abort(message: bytes | None) -> None:
+        sys.stdout.flush()
+        sys.stderr.write(f"\nError: {lost_server_message(endpoints, (message or b'').decode('utf-8', 'replace'))}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    callback = GGML_ABORT_CALLBACK(on_abort)
+    _abort_callbacks.append(callback)  # ggml keeps the pointer: the ctypes object must outlive every llama.cpp call
+    ggml_base().ggml_set_abort_callback(callback)
+
+
+_abort_callbacks: list = []
 
 
 def serve_backend(host: str, port: int, threads: int) -> None:
