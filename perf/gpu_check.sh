@@ -28,8 +28,10 @@ WHEEL_TAGS=(--python-version "$GPU_PYTHON" --implementation cp --abi cp312
             --only-binary=:all:)
 TRAVEL_LIMIT_MIB=64  # what travels to the GPU machine: the checkout and the carried kit
 KIT_MIB=18  # the most the kit may hold: --prepare refuses a larger one, tests/test_gpu_check.py adds it to the checkout
-RUN_SECONDS=${GPU_CHECK_SECONDS:-570}  # the whole run: a device call's 600 s, less a margin for bringing $OUT back
-# each stage's own time limit (s); a stage gets less where the run's time is short, and the table always comes
+RUN_SECONDS=570  # the whole run: a device call's 600 s, less a margin for bringing $OUT back (GPU_CHECK_SECONDS)
+# each stage's own time limit (s); a stage gets less where the run's time is short, and the table always comes.
+# A dry run's limits are DRY_RUN_SCALE times these: a shared CPU is slow, and it measures nothing.
+DRY_RUN_SCALE=4
 BUILD_LIMIT=330 MODELS_LIMIT=240 PROBE_LIMIT=60 TESTS_LIMIT=120 TABLE_RESERVE=15
 FIGURES=("decode 45" "eviction-off 110" "eviction-on 110" "toy 75")  # part and its limit, in the order they run
 GPU_TESTS=(tests/test_gpu.py tests/test_per_head.py tests/test_attention.py tests/test_eviction.py
@@ -63,8 +65,8 @@ wants() { case ,$steps, in *,$1,*) return 0 ;; *) return 1 ;; esac; }
 
 # Seconds a stage may run: its own limit, cut to what the run has left before the table.
 seconds_for() {
-    local left=$(( deadline - $(date +%s) - TABLE_RESERVE ))
-    [ "$left" -lt "$1" ] && echo $(( left > 5 ? left : 5 )) || echo "$1"
+    local limit=$(( $1 * scale )) left=$(( deadline - $(date +%s) - TABLE_RESERVE ))
+    [ "$left" -lt "$limit" ] && echo $(( left > 5 ? left : 5 )) || echo "$limit"
 }
 # Run a stage's command under its time limit; prints how it ended, returns its status (124: out of time).
 limited() {
@@ -299,14 +301,17 @@ main() {
     export OUT=${OUT:-$WORK/out}
     mkdir -p "$OUT" "$WORK"
     exec > >(tee -a "$OUT/gpu_check.log") 2>&1
-    local started
+    local started log_pid=$! rc=0
     started=$(date +%s)
-    deadline=$((started + RUN_SECONDS))
+    scale=1
+    [ "$mode" = dry-run ] && scale=$DRY_RUN_SCALE
+    deadline=$((started + ${GPU_CHECK_SECONDS:-$((RUN_SECONDS * scale))}))
     build_note="not run" load_note="not probed" tests_note="not run" models_pid="" failed=()
-    echo "gpu_check ($mode, steps $steps, $RUN_SECONDS s in all) on $(uname -n), $cores cores, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "gpu_check ($mode, steps $steps, $((deadline - started)) s in all) on $(uname -n), $cores cores, $(date -u '+%Y-%m-%d %H:%M UTC')"
     site=$WORK/site
     if [ "$mode" = dry-run ]; then
-        export KVRESCUE_THREADS=${KVRESCUE_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH=$PWD
+        export KVRESCUE_THREADS=${KVRESCUE_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+        export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     else
         echo "nvcc: $(nvcc --version | tail -1); GPU: $gpu (CUDA architecture $arch)"
         build=("$PYTHON" patches/build.py --cuda --kit "$KIT" --build-dir "$WORK/build" --cache-dir "$WORK/cache")
@@ -324,9 +329,13 @@ main() {
     if wants tests || wants figures; then probe_loading; fi
     if wants tests; then step_tests; fi
     if wants figures; then step_figures; fi
-    render_table || [ ${#failed[@]} -gt 0 ] || failed+=(table)
+    render_table
+    [ -s "$OUT/table.txt" ] || failed+=(table)
     echo "gpu_check ($mode): done in $(elapsed "$started") s; logs in $OUT/"
-    [ ${#failed[@]} -eq 0 ] || { echo "gpu_check ($mode): FAILED: ${failed[*]}"; return 1; }
+    [ ${#failed[@]} -eq 0 ] || { echo "gpu_check ($mode): FAILED: ${failed[*]}"; rc=1; }
+    exec >&- 2>&-
+    wait "$log_pid"  # gpu_check.log complete before the device collects $OUT
+    return $rc
 }
 
 # all of it is read before it runs: editing this file during a run does not change that run

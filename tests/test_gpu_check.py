@@ -171,6 +171,26 @@ def test_a_failing_stage_leaves_the_others_and_the_table(tmp_path):
     assert [row["part"] for row in rows if "failed" not in row] == ["toy"] * 3
 
 
+
+def test_the_build_runs_the_binaries_behind_pip_s_cmake_and_ninja_shims(tmp_path):
+    """pip's cmake and ninja packages put Python shims on PATH that a build-isolated pip cannot import: the
+    binaries in the packages' data/bin go first on PATH."""
+    for tool in ("cmake", "ninja"):
+        binary = tmp_path / tool / "data" / "bin" / tool
+        binary.parent.mkdir(parents=True)
+        (tmp_path / tool / "__init__.py").write_text("")
+        binary.write_text(f"#!/bin/sh\necho '{tool} version 9.9.9'\n")
+        binary.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work"),
+           "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+    run = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--steps", "build"], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for tool in ("cmake", "ninja"):
+        assert f"{tool}: {tmp_path / tool / 'data' / 'bin' / tool} (the binary behind pip's shim), {tool} version 9.9.9" \
+            in run.stdout, run.stdout
+
+
 @pytest.mark.realmodel
 @pytest.mark.parametrize("role,name", [("base", "coder-1.5b"), ("helper", "coder-0.5b")])
 def test_the_models_of_the_coder_pair_s_shapes_are_those_of_its_ggufs(role, name):
