@@ -163,7 +163,7 @@ step_build() {
         return
     fi
     "$PYTHON" -m pip install --quiet --no-index --no-deps "${WHEEL_TAGS[@]}" --target "$site" --upgrade "$wheel" \
-        >>"$OUT/build.log" 2>&1 || echo "build: pip could not install $wheel into $site (see build.log)"
+        >>"$OUT/build.log" 2>&1 || { echo "build: pip could not install $wheel into $site (see build.log)"; failed+=(build); }
     build_note="$(elapsed "$started") s, $(basename "$wheel") ($(du -m "$wheel" | cut -f1) MiB)"
     echo "build: $build_note"
 }
@@ -182,7 +182,7 @@ install_carried_wheels() {
     "$PYTHON" -m pip install --quiet --no-index --no-deps "${WHEEL_TAGS[@]}" --target "$site" --upgrade \
         "$KIT"/wheels/*.whl >"$OUT/build.log" 2>&1 \
         && echo "installed $(ls "$KIT"/wheels/*.whl | wc -l) carried wheels into $site" \
-        || echo "pip could not install the carried wheels into $site (see build.log)"
+        || { echo "pip could not install the carried wheels into $site (see build.log)"; failed+=(wheels); }
 }
 
 # Models of the coder pair's shapes, written beside the build (they need no llama.cpp).
