@@ -20,8 +20,6 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import zstandard
-
 from .errors import KVRescueError
 
 # the magic number every zstd frame starts with (RFC 8878)
@@ -178,6 +176,8 @@ def decompressed(data: bytes, where: str | Path) -> bytes:
     other bytes as they are."""
     if not data.startswith(ZSTD_MAGIC):
         return data
+    import zstandard  # here: every command imports this module, and only a compressed file needs zstd
+
     parts, rest = [], data
     try:
         while rest:  # frame after frame: concatenated .zst files read as one
@@ -196,6 +196,8 @@ def compressed_output(path: str | Path, data: bytes) -> bytes:
     """data as written to path: zstd-compressed where path ends in .zst."""
     if not str(path).endswith(COMPRESSED_SUFFIX):
         return data
+    import zstandard
+
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
 
 

@@ -20,7 +20,7 @@ set -uo pipefail  # no -e: a failing stage must not stop the later ones
 cd "$(dirname "$0")/.."
 
 KIT=.gpu-kit
-WORK=${GPU_CHECK_WORK:-.gpu-build}  # the build folder, wheel cache, installed target, models (not carried)
+WORK=$(realpath -m "${GPU_CHECK_WORK:-.gpu-build}")  # the build folder, wheel cache, installed target, models (not carried)
 PYTHON=${PYTHON:-python3}
 GPU_PYTHON=3.12  # the lent GPU machine's Python: the kit's wheels are for it
 WHEEL_TAGS=(--python-version "$GPU_PYTHON" --implementation cp --abi cp312
@@ -125,19 +125,35 @@ check_machine() {
     [ "$version" = "$GPU_PYTHON" ] || die "$PYTHON is Python $version, the kit's wheels are for $GPU_PYTHON: set PYTHON"
 }
 
-# pip's cmake and ninja are Python shims that a build-isolated pip cannot import: their binaries go first on PATH.
+# pip's cmake and ninja are Python shims that a build-isolated pip cannot import: the binaries their packages hold
+# (cmake's data/bin, ninja's BIN_DIR) go first on PATH, linked from a folder of their own (a package's folder can
+# hold other shims).
 real_build_tools() {
-    local tool dir
+    local tool binary
+    mkdir -p "$WORK/tools"
     for tool in cmake ninja; do
-        dir=$("$PYTHON" -c "import $tool, os; print(os.path.join(os.path.dirname($tool.__file__), 'data', 'bin'))" \
-              2>/dev/null) || { echo "$tool: $(command -v $tool || echo 'not found')"; continue; }
-        if [ -x "$dir/$tool" ]; then
-            export PATH="$dir:$PATH"
-            echo "$tool: $dir/$tool (the binary behind pip's shim), $("$dir/$tool" --version | head -1)"
+        binary=$("$PYTHON" - "$tool" 2>/dev/null <<'PY'
+import importlib, os, sys
+tool = sys.argv[1]
+package = importlib.import_module(tool)
+for folder in (getattr(package, "CMAKE_BIN_DIR", ""), getattr(package, "BIN_DIR", ""),
+               os.path.join(os.path.dirname(package.__file__), "data", "bin")):
+    path = os.path.join(folder, tool)
+    if folder and os.path.isfile(path) and os.access(path, os.X_OK):
+        print(path)
+        break
+PY
+)
+        if [ -n "$binary" ]; then
+            ln -sf "$binary" "$WORK/tools/$tool"
+            echo "$tool: $binary (the binary of pip's $tool package), $("$binary" --version | head -1)"
         else
-            echo "$tool: $(command -v $tool || echo 'not found') (its Python package has no binary in $dir)"
+            rm -f "$WORK/tools/$tool"
+            echo "$tool: $(command -v $tool || echo 'not found') (no pip package with a binary)"
         fi
     done
+    export PATH="$WORK/tools:$PATH"
+    echo "on PATH: $(cmake --version 2>&1 | head -1), ninja $(ninja --version 2>&1 | head -1)"
 }
 
 step_build() {
@@ -315,7 +331,7 @@ main() {
     else
         echo "nvcc: $(nvcc --version | tail -1); GPU: $gpu (CUDA architecture $arch)"
         build=("$PYTHON" patches/build.py --cuda --kit "$KIT" --build-dir "$WORK/build" --cache-dir "$WORK/cache")
-        export PYTHONPATH=$PWD:$PWD/$site
+        export PYTHONPATH=$PWD:$site
         if wants build; then install_carried_wheels; fi
     fi
     if wants models; then start_models; fi

@@ -173,22 +173,27 @@ def test_a_failing_stage_leaves_the_others_and_the_table(tmp_path):
 
 
 def test_the_build_runs_the_binaries_behind_pip_s_cmake_and_ninja_shims(tmp_path):
-    """pip's cmake and ninja packages put Python shims on PATH that a build-isolated pip cannot import: the
-    binaries in the packages' data/bin go first on PATH."""
-    for tool in ("cmake", "ninja"):
-        binary = tmp_path / tool / "data" / "bin" / tool
-        binary.parent.mkdir(parents=True)
-        (tmp_path / tool / "__init__.py").write_text("")
+    """pip's cmake and ninja packages put Python shims on PATH that a build-isolated pip cannot import: the binaries
+    the packages hold (cmake's data/bin, ninja's BIN_DIR, which may be a folder of shims too) come first on PATH."""
+    shims = tmp_path / "shims"
+    shims.mkdir()
+    binaries = {"cmake": tmp_path / "cmake" / "data" / "bin" / "cmake", "ninja": shims / "ninja"}
+    for tool, binary in binaries.items():
+        binary.parent.mkdir(parents=True, exist_ok=True)
         binary.write_text(f"#!/bin/sh\necho '{tool} version 9.9.9'\n")
-        binary.chmod(0o755)
+        (shims / tool).exists() or (shims / tool).write_text("#!/bin/sh\necho 'a shim'\nexit 1\n")
+        (tmp_path / tool).mkdir(exist_ok=True)
+    for path in shims.iterdir():
+        path.chmod(0o755)
+    binaries["cmake"].chmod(0o755)
+    (tmp_path / "cmake" / "__init__.py").write_text("")
+    (tmp_path / "ninja" / "__init__.py").write_text(f"BIN_DIR = {str(shims)!r}\n")
     env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work"),
-           "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path)}
+           "PYTHON": sys.executable, "PYTHONPATH": str(tmp_path), "PATH": f"{shims}:{os.environ['PATH']}"}
     run = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--steps", "build"], cwd=ROOT, env=env,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    for tool in ("cmake", "ninja"):
-        assert f"{tool}: {tmp_path / tool / 'data' / 'bin' / tool} (the binary behind pip's shim), {tool} version 9.9.9" \
-            in run.stdout, run.stdout
+    assert "on PATH: cmake version 9.9.9, ninja ninja version 9.9.9" in run.stdout, run.stdout
 
 
 @pytest.mark.realmodel
