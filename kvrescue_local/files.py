@@ -1,6 +1,9 @@
 """Every file the project reads or writes goes through here, checked before any model work: a bad path ends
 in one `Error:` line, not a traceback after minutes of solving, and a write never loses what was there.
 
+Committed results files are stored zstd-compressed (`results/*.jsonl.zst`): `decompressed` reads them as the
+plain text they hold, `compressed_output` writes them, and `check_appendable` keeps appending writers off them.
+
 The one writer (`write_output`): a symlink is written at its target; a regular file is replaced atomically
 (a temporary file beside it, fsynced, renamed over it), so a crash or Ctrl-C leaves the old file or the new
 one, never half of one; a character device (/dev/null) or a FIFO is written through and never replaced; any
@@ -20,6 +23,11 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .errors import KVRescueError
+
+# the magic number every zstd frame starts with (RFC 8878)
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+COMPRESSED_SUFFIX = ".zst"
+ZSTD_LEVEL = 19  # written once, read often: the smallest files zstd makes in seconds
 
 KINDS = {stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
          stat.S_IFIFO: "a FIFO"}
@@ -228,6 +236,51 @@ def json_text(data, what: str, indent: int | None = None) -> str:
     if found:
         raise KVRescueError(f"{what} {found}, which a JSON file cannot hold: nothing written")
     return json.dumps(data, indent=indent, ensure_ascii=False)
+
+
+def decompressed(data: bytes, where: str | Path) -> bytes:
+    """A file's bytes as the text it holds: zstd frames (a `.zst` file, whatever its name) decompressed, any
+    other bytes as they are."""
+    if not data.startswith(ZSTD_MAGIC):
+        return data
+    import zstandard  # here: every command imports this module, and only a compressed file needs zstd
+
+    parts, rest = [], data
+    try:
+        while rest:  # frame after frame: concatenated .zst files read as one
+            frame = zstandard.ZstdDecompressor().decompressobj()
+            parts.append(frame.decompress(rest))
+            if not frame.eof:
+                raise zstandard.ZstdError("it ends inside a frame")
+            rest = frame.unused_data
+    except zstandard.ZstdError as exc:
+        raise KVRescueError(f"{where} is a damaged zstd file ({exc}): restore it (git checkout) or write it again "
+                            "with `kvrescue-local bench merge --out`") from None
+    return b"".join(parts)
+
+
+def compressed_output(path: str | Path, data: bytes) -> bytes:
+    """data as written to path: zstd-compressed where path ends in .zst."""
+    if not str(path).endswith(COMPRESSED_SUFFIX):
+        return data
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+
+def check_appendable(path: str | Path, option: str) -> Path:
+    """A file lines are appended to: refused where it is zstd-compressed (by its name or its first bytes), since
+    appended text would corrupt it."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(ZSTD_MAGIC))
+    except OSError:
+        head = b""  # not there yet, or not readable: the writer's own checks say so
+    if path.name.endswith(COMPRESSED_SUFFIX) or head == ZSTD_MAGIC:
+        raise KVRescueError(f"{option} {path} is zstd-compressed, and rows are appended to plain text: make a plain "
+                            f"copy (`kvrescue-local bench merge {path} --out NAME.jsonl`) and pass {option} NAME.jsonl")
+    return path
 
 
 def read_utf8(path: Path, what: str) -> str:

@@ -85,29 +85,33 @@ def n_vocab() -> int:
     return len(byte_vocab().tokens)
 
 
-def random_qwen2_weights(shape: Qwen2Shape, seed: int, scale: float = 0.08) -> dict[str, np.ndarray]:
-    """Random weights with the GGUF tensor names of llama.cpp's qwen2, in HF (out, in) layout."""
-    rng = np.random.default_rng(seed)
+def qwen2_tensor_shapes(shape: Qwen2Shape) -> dict[str, tuple[int, ...]]:
+    """The GGUF tensor names of llama.cpp's qwen2 and their HF (out, in) shapes, for the byte vocabulary with the
+    output layer tied to the embedding; the RMS norms' names end in "norm.weight"."""
     d, kv = shape.n_embd, shape.n_head_kv * shape.head_dim
-
-    def w(*dims: int) -> np.ndarray:
-        return (rng.standard_normal(dims) * scale).astype(np.float32)
-
-    weights = {"token_embd.weight": w(n_vocab(), d), "output_norm.weight": np.ones(d, np.float32)}
+    shapes = {"token_embd.weight": (n_vocab(), d), "output_norm.weight": (d,)}
     for i in range(shape.n_layer):
         p = f"blk.{i}."
-        weights.update({
-            p + "attn_norm.weight": np.ones(d, np.float32),
-            p + "attn_q.weight": w(d, d), p + "attn_q.bias": w(d),
-            p + "attn_k.weight": w(kv, d), p + "attn_k.bias": w(kv),
-            p + "attn_v.weight": w(kv, d), p + "attn_v.bias": w(kv),
-            p + "attn_output.weight": w(d, d),
-            p + "ffn_norm.weight": np.ones(d, np.float32),
-            p + "ffn_gate.weight": w(shape.n_ff, d),
-            p + "ffn_up.weight": w(shape.n_ff, d),
-            p + "ffn_down.weight": w(d, shape.n_ff),
+        shapes.update({
+            p + "attn_norm.weight": (d,),
+            p + "attn_q.weight": (d, d), p + "attn_q.bias": (d,),
+            p + "attn_k.weight": (kv, d), p + "attn_k.bias": (kv,),
+            p + "attn_v.weight": (kv, d), p + "attn_v.bias": (kv,),
+            p + "attn_output.weight": (d, d),
+            p + "ffn_norm.weight": (d,),
+            p + "ffn_gate.weight": (shape.n_ff, d),
+            p + "ffn_up.weight": (shape.n_ff, d),
+            p + "ffn_down.weight": (d, shape.n_ff),
         })
-    return weights
+    return shapes
+
+
+def random_qwen2_weights(shape: Qwen2Shape, seed: int, scale: float = 0.08) -> dict[str, np.ndarray]:
+    """Random weights with the GGUF tensor names of llama.cpp's qwen2, in HF (out, in) layout; norms at 1."""
+    rng = np.random.default_rng(seed)
+    return {name: np.ones(dims, np.float32) if name.endswith("norm.weight")
+            else (rng.standard_normal(dims) * scale).astype(np.float32)
+            for name, dims in qwen2_tensor_shapes(shape).items()}
 
 
 def write_qwen2_gguf(path: str | Path, shape: Qwen2Shape, weights, vocab: Vocab | None = None,

@@ -17,7 +17,7 @@ Usage:
   KVRESCUE_THREADS=1 nice python3 perf/calibrate_real.py collect --stats cal.jsonl --problems 8
   KVRESCUE_THREADS=1 python3 perf/calibrate_real.py collect --stats long-0.jsonl --datasets math500 --problems 10 \
       --budgets 64 --max-tokens 4096 --shard 0/2    # and --shard 1/2 into long-1.jsonl, side by side
-  python3 perf/calibrate_real.py replay results/coder-math500-table.jsonl --stats replay.jsonl
+  python3 perf/calibrate_real.py replay results/coder-math500-table.jsonl.zst --stats replay.jsonl
   python3 perf/calibrate_real.py fit --stats cal.jsonl [more.jsonl ...] [--write models/coder/detector.json]
 """
 

@@ -112,7 +112,7 @@ def speed_part(models: list[Model]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="comma-separated GGUFs [default: the pulled 0.5B and the helper's F16 copy]")
-    parser.add_argument("--results", default="results/coder-gsm8k-table2.jsonl", help="KV-Rescue rows to replay")
+    parser.add_argument("--results", default="results/coder-gsm8k-table2.jsonl.zst", help="KV-Rescue rows to replay")
     parser.add_argument("--config", default="kvrescue-b64-n4-rkv:heads=shared", help="the rows' config_key")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--cache-type", default="f16", help="the KV cache type of the layout part (K and V)")

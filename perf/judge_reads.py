@@ -13,9 +13,9 @@ Usage: python3 perf/judge_reads.py RESULTS.jsonl [--preset coder] [--config kvre
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.presets import load_preset
 from kvrescue_local.rescue.judge import Read, shared_tokens
 from kvrescue_local.runtime import Model
@@ -30,8 +30,7 @@ def main() -> None:
     if not Path(args.results).is_file():
         raise SystemExit(f"Error: no results file {args.results}: give a JSONL file that `bench run --results` wrote")
     helper = Model(load_preset(args.preset).helper)
-    with open(args.results, encoding="utf-8") as lines:
-        rows = [json.loads(line) for line in lines]
+    rows = read_rows(Path(args.results))
     rows = [r for r in rows if r["config_key"] == args.config and r["config"].get("choice", "prm") == "prm"]
     problems = rounds = own = whole = shared = winners = 0
     for row in rows:

@@ -11,16 +11,15 @@ Usage: python3 perf/judge_share.py RESULTS.jsonl RESULTS.jsonl... [--config kvre
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from kvrescue_local.bench.results_file import read_rows
 
 
 def rows_of(path: str, config: str) -> dict[str, dict]:
     if not Path(path).is_file():
         raise SystemExit(f"Error: no results file {path}: give JSONL files that `bench run --results` wrote")
-    with open(path, encoding="utf-8") as lines:
-        rows = (json.loads(line) for line in lines)
-        return {r["id"]: r for r in rows if r["config_key"] == config}
+    return {r["id"]: r for r in read_rows(Path(path)) if r["config_key"] == config}
 
 
 def steps_of(row: dict) -> list[tuple[str, str]]:

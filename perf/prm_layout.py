@@ -27,12 +27,12 @@ Usage: python3 perf/prm_layout.py RESULTS.jsonl [--preset coder] [--prm preset|h
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.compose import preset_config
 from kvrescue_local.presets import load_preset
 from kvrescue_local.prm import PRM, PRMParams, RewardHead, prm_format
@@ -47,9 +47,7 @@ OTHER_PROBLEM = "Natalia sold clips to 48 of her friends in April, and then she 
 def rounds(path: str, config_key: str):
     """(problem, committed steps before the round, the round's distinct survivors, their recorded scores, and each
     survivor's (side, finished) as first sampled)."""
-    with open(path, encoding="utf-8") as lines:
-        rows = [json.loads(line) for line in lines]
-    for row in rows:
+    for row in read_rows(Path(path)):
         if row["config_key"] != config_key or row["config"].get("choice", "prm") != "prm" or "trajectory" not in row:
             continue
         steps = row["trajectory"]["steps"]

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -12,10 +13,13 @@ from click.testing import CliRunner
 from kvrescue_local.bench.datasets import HUB, load_dataset, split_of
 from kvrescue_local.bench.grade import is_correct
 from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.bench.run import run_sweep
 from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
+from kvrescue_local.files import ZSTD_MAGIC
 from kvrescue_local.rescue.record import Trajectory
 from kvrescue_local.answers import last_boxed
+from test_report import assert_one_line_error
 
 
 @pytest.mark.parametrize("name", ["math500", "gsm8k"])
@@ -164,3 +168,42 @@ def test_n1_sweep_opens_no_prm_and_a_problem_that_cannot_finish_becomes_a_row(ba
     assert "helper context (n_ctx=512) is full" in failed[0]["error"]
     report = CliRunner().invoke(main, ["report", str(results)])
     assert report.exit_code == 0, report.output
+
+
+COMMITTED = Path(__file__).resolve().parent.parent / "results" / "coder-gsm8k-judge-n4.jsonl.zst"
+
+
+def test_committed_results_are_compressed_and_read_as_plain_ones(tmp_path):
+    assert COMMITTED.read_bytes().startswith(ZSTD_MAGIC)
+    plain, again = tmp_path / "plain.jsonl", tmp_path / "again.jsonl.zst"
+    for source, out in ((COMMITTED, plain), (plain, again)):
+        merged = CliRunner().invoke(main, ["bench", "merge", str(source), "--out", str(out)])
+        assert merged.exit_code == 0, merged.output
+    assert not plain.read_bytes().startswith(ZSTD_MAGIC) and again.read_bytes().startswith(ZSTD_MAGIC)
+    rows = read_rows(COMMITTED)
+    assert len(rows) == 10 and read_rows(plain) == rows == read_rows(again)
+    reports = [CliRunner().invoke(main, ["report", str(path)]) for path in (COMMITTED, plain, again)]
+    assert all(r.exit_code == 0 for r in reports), reports[0].output
+    assert "kvrescue" in reports[0].output and reports[0].output == reports[1].output == reports[2].output
+
+
+@pytest.mark.parametrize("name", ["new.jsonl.zst", "compressed.jsonl"])
+def test_no_sweep_appends_to_a_compressed_file(tmp_path, name):
+    path = tmp_path / name
+    if not name.endswith(".zst"):  # compressed under a plain name: known by its first bytes
+        path.write_bytes(COMMITTED.read_bytes())
+    before = path.read_bytes() if path.exists() else None
+    for args in (["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--resume", "--results", str(path)],
+                 ["prm", "train", "--preset", "toy", "--rollouts", str(path)]):
+        option = args[-2]
+        assert_one_line_error(CliRunner().invoke(main, args), f"{option} {path} is zstd-compressed", "bench merge")
+    with pytest.raises(KVRescueError, match="is zstd-compressed"):
+        run_sweep(None, [], None, None, path)
+    assert (path.read_bytes() if path.exists() else None) == before
+
+
+def test_a_damaged_compressed_results_file_ends_in_one_error_line(tmp_path):
+    damaged = tmp_path / "damaged.jsonl.zst"
+    damaged.write_bytes(COMMITTED.read_bytes()[:1000])
+    for args in (["report", str(damaged)], ["bench", "merge", str(damaged), "--out", str(tmp_path / "out.jsonl")]):
+        assert_one_line_error(CliRunner().invoke(main, args), f"{damaged} is a damaged zstd file")

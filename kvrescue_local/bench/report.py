@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KVRescueError
-from ..files import check_input_file
+from ..files import check_input_file, decompressed
 from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, choice_comparisons, config_key, oracles,
                       setup_comparisons, setup_notes, summaries)
 from .results_file import upgrade
@@ -69,12 +69,12 @@ def check_line(row, where: str) -> dict:
 
 
 def load_results(path: str | Path) -> list[dict]:
-    """Every line of a results file, checked; blank lines are skipped."""
+    """Every line of a results file (plain or zstd-compressed), checked; blank lines are skipped."""
     path = Path(path)
     if path.exists():  # a device or FIFO would be read endlessly
         check_input_file(path, "results file")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = decompressed(path.read_bytes(), path).decode("utf-8")
     except FileNotFoundError:
         raise KVRescueError(f"results file not found: {path}; pass the JSONL written by `kvrescue-local bench`") from None
     except IsADirectoryError:

@@ -32,7 +32,7 @@ from typing import BinaryIO, Iterator
 
 from .. import gguf_header
 from ..errors import KVRescueError
-from ..files import check_input_file, results_target, same_file
+from ..files import check_input_file, decompressed, results_target, same_file
 from ..prm import head_path
 from ..rescue import RescueConfig
 
@@ -179,10 +179,11 @@ def picked_by_prm(config: dict) -> bool:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Every row of a results file, each checked; a partial last line (a writer died mid-line) is left out."""
+    """Every row of a results file (plain or zstd-compressed), each checked; a partial last line (a writer died
+    mid-line) is left out."""
     if not path.exists():
         return []
-    lines = check_input_file(path, "results file").read_bytes().split(b"\n")
+    lines = decompressed(check_input_file(path, "results file").read_bytes(), path).split(b"\n")
     rows = []
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():

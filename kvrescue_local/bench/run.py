@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, TextIO
 
 from ..errors import KVRescueError
-from ..files import json_text, results_target, write_output
+from ..files import check_appendable, compressed_output, json_text, results_target, write_output
 from ..prm import PRM
 from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
 from ..rescue.judge import HelperHead
@@ -160,6 +160,7 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
     """Run what is not done yet; returns the number of lines written. on_cut hears of a partial last line cut
     off (bytes) before resuming, on_changed of the problems run again because their rows solved other text.
     `bases`: the base model of each weights label of the axes ("" : models.base)."""
+    check_appendable(results, "--results")  # before repair_tail, which would cut a compressed file
     label, problems = dataset.label, dataset.problems
     bases = {"": models.base, **(bases or {})}
 
@@ -241,7 +242,8 @@ def open_on_first_write(path: Path) -> Iterator[Callable[[], TextIO]]:
 
 def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
     """Union of shard files without duplicates; refuses rows of different models or settings, an input without
-    rows, and (unless force) replacing an existing output that is not one of the inputs."""
+    rows, and (unless force) replacing an existing output that is not one of the inputs. An output named .zst is
+    written zstd-compressed."""
     target = results_target(output, "--out")
     if target.exists() and not force and not any(p.exists() and os.path.samefile(p, target) for p in inputs):
         raise KVRescueError(f"--out {output} already exists and is not one of the inputs: choose a new file, "
@@ -262,5 +264,6 @@ def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
                 setups.append(theirs)
             for row in rows:
                 merged.setdefault(row_key(row), row)
-        write_output(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values()), "--out")
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values())
+        write_output(output, compressed_output(output, text.encode("utf-8")), "--out")
     return len(merged)

@@ -15,7 +15,7 @@ from ..hub import resolve_gguf
 from ..quantize import WEIGHT_TYPES
 from ..runtime.context import check_cache_types
 from .models import quantized_with_progress
-from ..files import check_writable
+from ..files import check_appendable, check_writable
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_prompts_fit,
@@ -58,7 +58,7 @@ def bench() -> None:
                    "names, for the base and the helper (-ctkh/-ctvh fix the helper's) [default: -ctk/-ctv]")
 @search_options
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="JSONL file the results are appended to")
+              help="JSONL file the results are appended to (plain text: not a .zst)")
 @click.option("--resume", is_flag=True, help="continue RESULTS, skipping what is done")
 @click.option("--shard", help="i/n: run the i-th of n interleaved slices (merge them with `bench merge`)")
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
@@ -71,6 +71,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results", special=False, reads=[("--data", data)])
+    check_appendable(results, "--results")
     data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None, split=split)
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
@@ -193,7 +194,7 @@ def base_axis(bases: str | None, weight_types: list[str] | None, allow_requantiz
 @bench.command("merge")
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="the merged results file (it may be one of the INPUTS)")
+              help="the merged results file (it may be one of the INPUTS); zstd-compressed where it ends in .zst")
 @click.option("--force", is_flag=True, help="replace an existing --out that is not one of the INPUTS")
 def merge_command(inputs, out, force) -> None:
     """Merge shard result files into one, without duplicates."""

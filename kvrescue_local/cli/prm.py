@@ -12,7 +12,7 @@ import click
 from ..bench.datasets import DATASET_NAMES
 from ..bench.results_file import file_hash
 from ..errors import KVRescueError
-from ..files import check_not_read
+from ..files import check_appendable, check_not_read
 from ..prm import FORMATS
 from ..rescue import MODES
 from ..rescue.judge import HelperJudge
@@ -65,6 +65,8 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     if len(rollouts) > 1 and not no_rollouts:
         raise KVRescueError("stage 1 extends one rollouts file: pass one, merge them with `kvrescue-local bench merge`, "
                             "or add --no-rollouts to train on them as they are")
+    if not no_rollouts:
+        check_appendable(rollouts[0], "--rollouts")
     if helper and out is None:  # the preset's head file belongs to the preset's own helper
         raise KVRescueError(f"a head on {helper.name} needs --out FILE.head.npz: the {preset} preset's head file is "
                             "trained on its own helper")
