@@ -94,9 +94,11 @@ def open_setup(name: str, args: argparse.Namespace, problems: int) -> Setup:
 def solve(setup: Setup, k: int, flash_attn: str, per_context: int | None) -> Run:
     config = dataclasses.replace(setup.config, flash_attn=flash_attn)
     models = setup.models
-    if isinstance(models.prm, PRM):  # reserve() and sibling() make its contexts with these params
-        models.prm.params = dataclasses.replace(models.prm.params, flash_attn=flash_attn)
-    engine = Rescue(config, models.base, models.helper, models.prm, prompt_tokens_max=setup.prompt_tokens,
+    prm = models.prm
+    if isinstance(prm, PRM):  # a context of its own made with these params at every K (K = 1's included)
+        prm.params = dataclasses.replace(prm.params, flash_attn=flash_attn)
+        prm = prm.sibling()
+    engine = Rescue(config, models.base, models.helper, prm, prompt_tokens_max=setup.prompt_tokens,
                     concurrency=k, per_context=per_context)
     llama, prm = engine.llama_seconds(), engine.prm_seconds
     wall, cpu = time.perf_counter(), time.process_time()
