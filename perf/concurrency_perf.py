@@ -41,10 +41,11 @@ class Run:
     lanes: int
     llama: dict[str, float]  # seconds in llama.cpp per model side
     prm: float
+    prm_outside_llama: float  # of which outside the llama columns (all but a head on the helper's context)
 
     @property
     def outside_share(self) -> float:
-        return (self.wall - sum(self.llama.values()) - self.prm) / self.wall
+        return (self.wall - sum(self.llama.values()) - self.prm_outside_llama) / self.wall
 
 
 @dataclasses.dataclass
@@ -100,14 +101,15 @@ def solve(setup: Setup, k: int, flash_attn: str, per_context: int | None) -> Run
         prm = prm.sibling()
     engine = Rescue(config, models.base, models.helper, prm, prompt_tokens_max=setup.prompt_tokens,
                     concurrency=k, per_context=per_context)
-    llama, prm = engine.llama_seconds(), engine.prm_seconds
+    llama, prm_before = engine.llama_seconds(), engine.prm_seconds
     wall, cpu = time.perf_counter(), time.process_time()
     dataset = setup.dataset
     correct = sum(dataset.grade(p.answer, t.answer) for p, t, _ in engine.run(dataset.problems, text=lambda p: p.problem))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     llama = {name: seconds - llama[name] for name, seconds in engine.llama_seconds().items()}
-    return Run(wall, cpu, 100 * correct / len(dataset.problems), max(1, len(engine.lanes)), llama,
-               engine.prm_seconds - prm)
+    prm = engine.prm_seconds - prm_before
+    return Run(wall, cpu, 100 * correct / len(dataset.problems), max(1, len(engine.lanes)), llama, prm,
+               prm if isinstance(models.prm, PRM) else 0.0)
 
 
 def main() -> None:
