@@ -130,7 +130,11 @@ class Rescue:
         if prm is None and config.needs_prm:
             raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
                                 "them: pass --prm (or use N=1, or --choice random)")
-        config.check_concurrency(concurrency)
+        config.check_concurrency(concurrency)  # the limits of one context hold in lanes too: a GPU runs one
+        judge = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
+        in_helper = isinstance(judge, HelperHead)
+        if in_helper:
+            check_helper_judge(config, judge, concurrency)
         self.concurrency = concurrency
         self.prm_own_seconds = 0.0
         self.took = False  # whether the last turn's slots took a problem from the queue
@@ -144,10 +148,6 @@ class Rescue:
             self.prm = self.scorer = None
             return
         self.same_vocab = check_compatible(base, helper) if config.uses_base and config.uses_helper else False
-        judge = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
-        in_helper = isinstance(judge, HelperHead)
-        if in_helper:
-            check_helper_judge(config, judge, concurrency)
         self.prm = None if in_helper else judge  # the PRM with a context of its own
         if self.prm:
             self.prm.reserve(concurrency)
