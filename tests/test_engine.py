@@ -28,12 +28,12 @@ def toy():
     return preset, Model(preset.base), Model(preset.helper)
 
 
-def solve_all(toy, config, problems, concurrency):
+def solve_all(toy, config, problems, concurrency, per_context=None):
     preset, base, helper = toy
     prm = PRM(preset.prm, PRMParams(n_ctx=config.prm_context(400), max_candidates=config.candidates_per_round,
                                     kv_type=config.cache_type_k)) if config.candidates_per_round > 1 else None
     engine = Rescue(config, base, helper, prm, prompt_tokens_max=longest_prompt(config, [base, helper], problems),
-                    concurrency=concurrency)
+                    concurrency=concurrency, per_context=per_context)
     finished = [(problem, trajectory) for problem, trajectory, error in engine.run(problems) if not error]
     return dict(finished), [problem for problem, _ in finished]
 
@@ -45,14 +45,15 @@ def outcome(trajectory):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_problems_trajectory_does_not_depend_on_what_shares_its_batch(toy, mode):
+@pytest.mark.parametrize("per_context", [8, 3])
+def test_a_problems_trajectory_does_not_depend_on_what_shares_its_batch(toy, mode, per_context):
     """F32 KV and greedy sampling: K = 1 and K = 8 (10 problems, so finished slots take new ones) give the
-    same trajectories, evictions included."""
+    same trajectories, evictions included, the 8 in one context per model or in lanes of 3, 3 and 2."""
     config = preset_config(toy[0], mode=mode, n=2, kv={"budget": 48}, **cache_fields("f32", "f32"),
                            temperature=0.0)
     problems = [p.text for p in held_out(10)]
     alone, order_alone = solve_all(toy, config, problems, 1)
-    together, order_together = solve_all(toy, config, problems, 8)
+    together, order_together = solve_all(toy, config, problems, 8, per_context)
     assert order_alone == problems and sorted(order_together) == sorted(problems)
     assert order_together != problems, "problems finish in their own time, not in queue order"
     for problem in problems:
@@ -61,6 +62,18 @@ def test_a_problems_trajectory_does_not_depend_on_what_shares_its_batch(toy, mod
             assert (a.score, b.score) == (None, None) or b.score == pytest.approx(a.score, abs=1e-3), (a.score, b.score)
     if mode in ("bon", "kvrescue"):
         assert all(t.evictions["evictions"] > 0 and t.evictions["fallback_evictions"] == 0 for t in alone.values())
+
+
+def test_on_a_cpu_with_flash_attention_off_each_problem_runs_in_contexts_of_its_own(toy):
+    """Every query attends over every cell of its context: with the plain softmax a problem beside others costs
+    more than alone, so K problems run in K lanes; a context shared by all of them when asked for."""
+    preset, base, helper = toy
+    config = preset_config(preset, mode="kvrescue", n=2)
+    prm = PRM(preset.prm, PRMParams(n_ctx=config.prm_context(400), max_candidates=4))
+    lanes = Rescue(config, base, helper, prm, concurrency=4).lanes
+    assert [lane.concurrency for lane in lanes] == [1, 1, 1, 1]
+    assert len({id(lane.prm.ctx) for lane in lanes}) == 4 and all(lane.prm.model is prm.model for lane in lanes)
+    assert Rescue(config, base, helper, prm, concurrency=4, per_context=4).lanes == []
 
 
 def test_sampled_trajectories_come_from_the_problem_not_the_batch(toy):
@@ -147,7 +160,7 @@ def test_table3_reports_problems_per_minute_and_kv_bytes_per_concurrency(base_pa
         run = CliRunner().invoke(main, args + (["--flash-attn", flash_attn] if flash_attn else []))
         assert run.exit_code == 0, run.output
         # several problems at once on a CPU: the faster kernel is named, never switched on behind the user's back
-        assert ("--flash-attn on decodes several problems at once" in run.output) == (k > 1 and not flash_attn)
+        assert ("--flash-attn on lets a model whose weights outweigh" in run.output) == (k > 1 and not flash_attn)
         assert {json.loads(line)["engine"]["flash_attn"] for line in open(results)} == {flash_attn or "off"}
         files.append(str(results))
     rows = [json.loads(line) for f in files for line in open(f)]

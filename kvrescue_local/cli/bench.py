@@ -64,7 +64,7 @@ def bench() -> None:
 @click.option("--offline", is_flag=True, help="use only the Hugging Face cache for hub datasets")
 @click.option("--concurrency", "-k", type=POSITIVE,
               help=f"problems solved at once on one engine [default: on a GPU (-ngl > 0) the most that fit --memory, "
-                   f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured slower (README, Table 3)]")
+                   f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured no faster (docs/throughput.md)]")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
 def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choices, bases, weight_types,
                 allow_requantize, cache_types, results, resume, shard, offline, concurrency, memory, **options) -> None:
@@ -120,14 +120,16 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     fits = largest_fitting(configs, allowed, need)
     check_concurrency_fits(configs, concurrency or 1, allowed, need)
     if concurrency is None:
-        # on a CPU every problem added to a decode adds its cells to every query's attention (one unified
-        # cache), and the batch saves little: more problems at once measured slower (README, Table 3)
+        # on a CPU the attention over the other problems' cells outweighs what a shared batch saves, so problems
+        # run in lanes of their own contexts (rescue/loop.py: problems_per_context): more at once measured no
+        # faster than one (docs/throughput.md), and one holds the memory of one
         concurrency = min(fits, DEFAULT_CONCURRENCY_CAP) if template.n_gpu_layers else 1
     note(f"concurrency {concurrency} (at most {fits} fit in {allowed / GIB:.2f} GiB of KV memory; "
          f"{'' if template.n_gpu_layers else 'on a CPU the default is 1; '}--concurrency, --memory)")
     if concurrency > 1 and template.flash_attn != "on" and not template.n_gpu_layers:
-        note("on a CPU, --flash-attn on decodes several problems at once about 2x faster (README, Table 3); with it a "
-             "trajectory depends on its batch mates by rounding, as it does not with it off")
+        note("on a CPU with flash attention off each problem runs in contexts of its own, about as fast as one at a "
+             "time; --flash-attn on lets a model whose weights outweigh the attention share one context (faster on "
+             "the coder pair, docs/throughput.md), and with it a trajectory depends on its batch mates by rounding")
     total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 

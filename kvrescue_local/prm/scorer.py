@@ -9,6 +9,7 @@ on its own, so a trajectory scored incrementally and one scored from scratch see
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,14 @@ class PRM:
         self.prefix: dict[int, list[np.ndarray]] = {}
         self.queued: dict[int, list[np.ndarray]] = {}
         self.peak_cells = 0  # most cells held while scoring: every slot's prefix and one group of candidates
+
+    def sibling(self) -> PRM:
+        """A PRM on the same backbone and head with a context of its own (for another group of problems)."""
+        other = copy.copy(self)
+        other.slots = 1
+        other.ctx = other.new_context(self.params.n_ctx)
+        other.prefix, other.queued, other.peak_cells = {}, {}, 0
+        return other
 
     def new_context(self, n_ctx: int) -> Context:
         p = self.params

@@ -7,7 +7,9 @@ Modes share this machinery: `full` (base, no eviction), `bon` (base with evictio
 context per model (a slot of sequences each, see generator.py) and the PRM's (none with `--prm helper`: the
 head reads the helper's own context, judge.py): a round decodes the candidates of every problem together,
 scores all of them in one PRM call, commits each problem's winner,
-and a finished problem's slot takes the next one from the queue at once. Seeds come from the problem's
+and a finished problem's slot takes the next one from the queue at once. Beyond `problems_per_context` (on a CPU
+the attention over the other problems' cells outweighs what the batch shares), the problems run in lanes, each
+an engine of its own contexts, one round of each lane after the other. Seeds come from the problem's
 text, the round, the side and the candidate, so a trajectory does not depend on what shares its batch.
 """
 
@@ -122,7 +124,10 @@ class Rescue:
     and reused. `prm`: a PRM of its own, or a HelperHead that scores in the helper's context."""
 
     def __init__(self, config: RescueConfig, base: Model | None = None, helper: Model | None = None,
-                 prm: PRM | HelperHead | None = None, prompt_tokens_max: int = 512, concurrency: int = 1) -> None:
+                 prm: PRM | HelperHead | None = None, prompt_tokens_max: int = 512, concurrency: int = 1,
+                 per_context: int | None = None) -> None:
+        """per_context: most problems that share one context per model [default: `problems_per_context`]; more
+        problems at once run in lanes of their own contexts, one round of each lane after the other."""
         self.config = config
         if config.uses_base and base is None:
             raise KVRescueError(f"mode {config.mode} needs a base model: pass --base")
@@ -131,16 +136,27 @@ class Rescue:
         if prm is None and config.needs_prm:
             raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
                                 "them: pass --prm (or use N=1, or --choice random)")
-        config.check_concurrency(concurrency)
-        self.same_vocab = check_compatible(base, helper) if config.uses_base and config.uses_helper else False
+        config.check_concurrency(concurrency)  # the limits of one context hold in lanes too: a GPU runs one
         judge = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
         in_helper = isinstance(judge, HelperHead)
         if in_helper:
             check_helper_judge(config, judge, concurrency)
+        self.concurrency = concurrency
+        self.prm_own_seconds = 0.0
+        self.took = False  # whether the last turn's slots took a problem from the queue
+        per_context = per_context or problems_per_context(config, [base, helper, prm], prompt_tokens_max)
+        self.lanes: list[Rescue] = []
+        if concurrency > per_context:
+            count = -(-concurrency // per_context)
+            self.lanes = [Rescue(config, base, helper, prm.sibling() if isinstance(prm, PRM) else prm, prompt_tokens_max,
+                                 concurrency // count + (i < concurrency % count), per_context) for i in range(count)]
+            self.sides: dict[str, Generator] = {}
+            self.prm = self.scorer = None
+            return
+        self.same_vocab = check_compatible(base, helper) if config.uses_base and config.uses_helper else False
         self.prm = None if in_helper else judge  # the PRM with a context of its own
         if self.prm:
             self.prm.reserve(concurrency)
-        self.concurrency = concurrency
         sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
         common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
                       flash_attn=config.flash_attn, n_threads=config.n_threads,
@@ -158,7 +174,6 @@ class Rescue:
         self.scorer = HelperJudge(self.sides["helper"], judge.format, judge.head) if in_helper else self.prm
         self.detector = Detector(config.detector) if config.mode.detects else None
         self.prompt_tokens_max = prompt_tokens_max
-        self.prm_seconds = 0.0
 
     def solve(self, problem: str, on_step: Callable[[Step], None] | None = None) -> Trajectory:
         """One problem (the engine with one slot busy); a problem that cannot finish raises its error."""
@@ -176,27 +191,38 @@ class Rescue:
         ends an item early with the reason it returns (a served request whose client left). `items` is asked for
         more whenever a slot is free: an iterator that is empty for now and has items later is served then."""
         queue = iter(items)
-        flying: dict[int, Solving] = {}
+        lanes = self.lanes or [self]
+        flying: list[dict[int, Solving]] = [{} for _ in lanes]
         while True:
-            for slot in (s for s in range(self.concurrency) if s not in flying):
-                item = next(queue, queue)
-                if item is queue:
-                    break
-                flying[slot] = self.begin(item, text(item), slot)
-                if seed_of:
-                    flying[slot].seed = flying[slot].trajectory.config["seed"] = seed_of(item)
-            for solving in flying.values():
-                solving.error = (solving.error or (stop_of and stop_of(solving.item))
-                                 or next(filter(None, (g.overflow(solving.slot) for g in self.sides.values())), None))
-            failed = [s for s in flying.values() if s.error is not None]
-            for solving in failed:
-                yield self.end(flying.pop(solving.slot))
-            if failed:
-                continue  # their slots take the next problems first
-            if not flying:
-                return
-            for solving in self.round(list(flying.values()), on_step):
-                yield self.end(flying.pop(solving.slot))
+            idle = not any(flying)
+            for lane, solving in zip(lanes, flying):
+                yield from lane.turn(queue, solving, text, on_step, seed_of, stop_of)
+            if idle and not any(flying) and not any(lane.took for lane in lanes):
+                return  # a pass that started with nothing in flight found nothing in the queue
+
+    def turn(self, queue: Iterator[Item], flying: dict[int, Solving], text, on_step, seed_of,
+             stop_of) -> Iterator[tuple[Item, Trajectory, str | None]]:
+        """Fill this engine's free slots from the queue, end the problems that cannot go on, then run one round;
+        yields the problems that end."""
+        self.took = False
+        for slot in (s for s in range(self.concurrency) if s not in flying):
+            item = next(queue, queue)
+            if item is queue:
+                break
+            self.took = True
+            flying[slot] = self.begin(item, text(item), slot)
+            if seed_of:
+                flying[slot].seed = flying[slot].trajectory.config["seed"] = seed_of(item)
+        for solving in flying.values():
+            solving.error = (solving.error or (stop_of and stop_of(solving.item))
+                             or next(filter(None, (g.overflow(solving.slot) for g in self.sides.values())), None))
+        failed = [s for s in flying.values() if s.error is not None]
+        for solving in failed:
+            yield self.end(flying.pop(solving.slot))
+        if failed or not flying:
+            return  # their slots take the next problems first
+        for solving in self.round(list(flying.values()), on_step):
+            yield self.end(flying.pop(solving.slot))
 
     def begin(self, item, problem: str, slot: int) -> Solving:
         solving = Solving(item, slot, Trajectory(problem, self.config.as_dict()), problem_key(problem),
@@ -221,7 +247,7 @@ class Rescue:
         started = time.perf_counter()
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
         judged_before, committed_before = self.judged_seconds, self.committed_from_reads_seconds
-        prm_before = self.prm_seconds
+        prm_before = self.prm_own_seconds
         for gen in self.sides.values():  # the prompts and last round's commits, charged as this round's work
             gen.flush()
         for s in flying:
@@ -239,7 +265,7 @@ class Rescue:
         committed = self.committed_from_reads_seconds - committed_before
         if "llama_helper" in costs:
             costs["llama_helper"] -= self.judged_seconds - judged_before - committed
-        costs["prm"] = self.prm_seconds - prm_before - committed
+        costs["prm"] = self.prm_own_seconds - prm_before - committed
         costs["total"] = time.perf_counter() - started
         for s in flying:  # a round's work is shared: each problem in it is charged an equal part
             s.charge({k: v / len(flying) for k, v in costs.items()})
@@ -263,7 +289,7 @@ class Rescue:
             by_text = by_slot[s.slot]
             for cand in (c for c in s.drafts if not c.killed):
                 cand.score = float(by_text[cand.content])
-        self.prm_seconds += time.perf_counter() - t0
+        self.prm_own_seconds += time.perf_counter() - t0
 
     def advance_alone(self, s: Solving, on_step) -> bool:
         """advance, where a failure in the problem's own work (its choice, its commit, the caller's on_step) ends
@@ -356,8 +382,54 @@ class Rescue:
 
     def peak_kv_bytes(self) -> dict[str, int]:
         """The most KV bytes each context held at the end of a round so far (base, helper, PRM; with `--prm helper`
-        the helper's includes the base candidates it scores)."""
+        the helper's includes the base candidates it scores), every lane's together."""
         out = {name: gen.peak_used_cells * gen.ctx.kv_bytes_per_cell for name, gen in self.sides.items()}
         if self.prm:
             out["prm"] = self.prm.peak_cells * kv_bytes_per_cell(self.prm.model, self.prm.params.kv_type, self.prm.params.kv_type)
+        for lane in self.lanes:
+            for name, value in lane.peak_kv_bytes().items():
+                out[name] = out.get(name, 0) + value
         return out
+
+    @property
+    def prm_seconds(self) -> float:
+        """Wall time the PRM spent scoring so far, every lane's together."""
+        return self.prm_own_seconds + sum(lane.prm_seconds for lane in self.lanes)
+
+    def llama_seconds(self) -> dict[str, float]:
+        """Wall time inside llama.cpp so far per model side ("base", "helper"), every lane's together."""
+        out = {name: gen.llama_seconds for name, gen in self.sides.items()}
+        for lane in self.lanes:
+            for name, value in lane.llama_seconds().items():
+                out[name] = out.get(name, 0.0) + value
+        return out
+
+
+# On a CPU with flash attention on, the most problems a context per model takes: as many as keep the attention a
+# token pays over the other problems' cells (llama.cpp's unified KV cache: every query attends over every resident
+# cell, masked) under the FLOPs of the weights it pays anyway, which the batch shares (per model, the least).
+OTHERS_ATTENTION_SHARE = 1.0
+
+
+def problems_per_context(config: RescueConfig, models: list, prompt_tokens_max: int) -> int:
+    """Most problems one context per model holds; more at once run in lanes of their own contexts.
+
+    On a GPU (-ngl > 0) every problem shares one context: the weights dominate a decode there. On a CPU with flash
+    attention off, one problem a context: the plain softmax costs each row of a decode every resident cell, so a
+    problem beside others costs more than alone (perf/concurrency_perf.py, docs/throughput.md). With it on, the tiled
+    kernel shares the batch's work: from each model's parameters against the cells a problem holds in it."""
+    if config.n_gpu_layers:
+        return LLAMA_MAX_SEQ
+    if config.flash_attn == "off":
+        return 1
+    cells = {"base": (config.n + 1) * config.kv.limit if config.evicts else config.full_context(prompt_tokens_max),
+             "helper": config.full_context(prompt_tokens_max),
+             "prm": config.prm_context(prompt_tokens_max) - config.n_batch}
+    most = LLAMA_MAX_SEQ
+    for side, model in zip(("base", "helper", "prm"), models):
+        if isinstance(model, PRM):  # its backbone (a head on the helper reads the helper's context)
+            model = model.model
+        if isinstance(model, Model):
+            attention = 4 * model.n_layer * model.n_embd * cells[side]  # KQ and KQV, multiply and add, per cell
+            most = min(most, max(1, int(OTHERS_ATTENTION_SHARE * 2 * model.n_params / attention)))
+    return most

@@ -139,9 +139,9 @@ class Batch:
         self.n_seq_id = np.ones(capacity, np.int32)
         self.seq_id = np.zeros((capacity, width), np.int32)
         self.logits = np.zeros(capacity, np.int8)
-        base, row = self.seq_id.ctypes.data, self.seq_id.strides[0]
-        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)(
-            *[ctypes.cast(base + row * i, ctypes.POINTER(ctypes.c_int32)) for i in range(capacity)])
+        self._seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * capacity)()  # row i's address, written in one go:
+        np.frombuffer(self._seq_ptrs, np.uintp)[:] = (  # a context per lane makes many of these
+            self.seq_id.ctypes.data + self.seq_id.strides[0] * np.arange(capacity, dtype=np.uintp))
         self.struct = low.llama_batch()
         self.struct.token = self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self.struct.embd = None

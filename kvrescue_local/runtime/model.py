@@ -91,6 +91,10 @@ class Model:
         return llama().llama_model_n_layer(self.handle)
 
     @property
+    def n_params(self) -> int:
+        return llama().llama_model_n_params(self.handle)
+
+    @property
     def n_head(self) -> int:
         return llama().llama_model_n_head(self.handle)
 
