@@ -194,7 +194,9 @@ class BudgetedSequences:
 
     def fork(self, src: int, dst: int) -> None:
         self.ctx.fork(src, dst)
-        if self.policy.reads_attention:
+        # a window policy's scores outside an open window are stale and reset when the next one opens: copying them
+        # would cost a device read and write per layer for nothing
+        if self.policy.reads_attention and (not self.windowed or self.track(src).observed_from is not None):
             copy_scores(self.ctx, src, dst)
         self.tracks[dst] = self.track(src).copy()
         if src in self.head_maps:
