@@ -292,3 +292,23 @@ def test_refusals(base_model):
     small = Context(base_model, ContextParams(n_ctx=512, n_seq_max=9))
     with pytest.raises(KVRescueError, match="too small for 9 sequences.*raise the base context"):
         budget.check_context(small, 9)
+
+
+def test_a_fork_outside_the_observation_window_does_not_copy_its_stale_scores(base_model):
+    """A window policy's scores outside an open window are reset when the next one opens: a fork then leaves the
+    fork's scores as they were (on a GPU or an RPC server a copy costs a read and a write per layer)."""
+    budget = KVBudget(budget=24, buffer=16, window=8)
+    ctx = Context(base_model, ContextParams(n_ctx=256, n_seq_max=3))
+    seqs = BudgetedSequences(ctx, budget)
+    ctx.prefill(0, base_model.tokenize(PROMPT)[:20])
+    while not seqs.enforce(0):
+        ctx.step([0], [ord("x")])
+    assert seqs.tracks[0].observed_from is None and cell_scores(ctx, 0).any(), "stale scores of the last window"
+    seqs.fork(0, 1)
+    assert not cell_scores(ctx, 1).any()
+    while seqs.tracks[0].observed_from is None:
+        ctx.step([0], [ord("x")])
+        seqs.enforce(0)
+    ctx.step([0], [ord("x")])
+    seqs.fork(0, 2)  # inside the window: the fork's eviction ranks by the same queries
+    np.testing.assert_array_equal(cell_scores(ctx, 2), cell_scores(ctx, 0))

@@ -2,17 +2,30 @@
 
 import numpy as np
 import pytest
+from conftest import N_GPU_LAYERS
 from decoding import greedy_evictions
 
+from kvrescue_local.errors import KVRescueError
 from kvrescue_local.eviction import BudgetedSequences, KVBudget, evicted_runs, reference
-from kvrescue_local.runtime import Context, ContextParams
-from kvrescue_local.runtime.attention import GraphCapture, enable_scores, head_scores, key_rows, observe_scores
+from kvrescue_local.gguf_export import Qwen2Shape, write_tiny_model
+from kvrescue_local.runtime import Context, ContextParams, Model
+from kvrescue_local.runtime.attention import (GraphCapture, cell_scores, enable_scores, head_scores, key_rows,
+                                              observe_scores, span_scores)
 from kvrescue_local.runtime.compaction import compact
 
 PROMPT = "Q: Tom has 17 apples and buys 93 more, then eats 5. How many are left?\nA: 17+93=110, 110-5=105.\n"
 # transposed V (flash attention off) and quantized caches (flash attention on)
 CACHES = [pytest.param("f32", "off", id="f32-transposed-v"), pytest.param("q8_0", "on", id="q8_0-flash"),
           pytest.param("q4_0", "on", id="q4_0-flash")]
+# Heads of 64 values: a q8_0 or q4_0 head is a whole number of 4-byte words, so a compaction moves it in a graph on
+# the cache's backend; the tiny base's 32-value heads (34 and 18 bytes) move by host copies.
+WIDE_HEADS = Qwen2Shape(n_embd=128, n_layer=2, n_head=2, n_head_kv=2, n_ff=128)
+MODELS = ["base_model", "wide_head_model"]
+
+
+@pytest.fixture(scope="module")
+def wide_head_model(tiny_dir):
+    return Model(write_tiny_model(tiny_dir / "wide-heads.gguf", WIDE_HEADS, seed=3), n_gpu_layers=N_GPU_LAYERS)
 
 
 def tokens_of(model, n: int) -> np.ndarray:
@@ -56,8 +69,10 @@ def test_a_relocation_of_the_same_tokens_gives_the_same_greedy_tokens_for_256_st
     assert greedy(moved, 0, int(prompt[-1]), 256) == greedy(still, 0, int(prompt[-1]), 256)
 
 
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
-def test_a_relocation_moves_each_head_s_k_rows_exactly(base_model, kv_type):
+def test_a_relocation_moves_each_head_s_k_rows_exactly(request, model, kv_type):
+    base_model = request.getfixturevalue(model)
     ctx = Context(base_model, ContextParams(n_ctx=256, type_k=kv_type, type_v=kv_type, flash_attn="on"))
     ctx.prefill(0, tokens_of(base_model, 30))
     cells, _ = ctx.cells(0)
@@ -71,10 +86,12 @@ def test_a_relocation_moves_each_head_s_k_rows_exactly(base_model, kv_type):
         assert np.array_equal(after[l][index[d], h], before[l][index[s], h])
 
 
-@pytest.mark.parametrize("kv_type, flash_attn", CACHES)
-def test_compacting_one_sequence_leaves_every_other_sequence_byte_identical(base_model, kv_type, flash_attn):
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("kv_type, flash_attn", CACHES + [pytest.param("f16", "off", id="f16-transposed-v")])
+def test_compacting_one_sequence_leaves_every_other_sequence_byte_identical(request, model, kv_type, flash_attn):
     """Seq 1 is a fork of seq 0 and shares its cells with seqs 0 and 2: its compaction moves it to free cells.
     The other context moves each head into its own cell, so that both lay their cells out alike."""
+    base_model = request.getfixturevalue(model)
     params = ContextParams(n_ctx=512, n_seq_max=3, type_k=kv_type, type_v=kv_type, flash_attn=flash_attn)
     moved, still = Context(base_model, params), Context(base_model, params)
     prompt = tokens_of(base_model, 40)
@@ -160,6 +177,27 @@ def test_per_head_scores_are_the_reference_s_window_attention(base_model):
         ours = head_scores(ctx, 0, layer)[:, cells]
         np.testing.assert_allclose(ours[:, :-window], expected, rtol=1e-4, atol=1e-6)
         assert not ours[:, -window:].any(), "the window's own keys are outside the softmax"
+
+
+def test_the_scores_of_every_layer_read_at_once_are_each_layer_s_per_head(base_model):
+    ctx = Context(base_model, ContextParams(n_ctx=256, n_seq_max=2))
+    enable_scores(ctx, 8, per_head=True)
+    tokens = tokens_of(base_model, 40)
+    ctx.prefill(0, tokens[:20])
+    ctx.prefill(1, tokens[20:])  # seq 1's cells start after seq 0's: a span not at cell 0
+    for seq in (0, 1):
+        cells = ctx.cells(seq)[0][::-1]
+        expected = np.stack([head_scores(ctx, seq, layer)[:, cells] for layer in range(base_model.n_layer)])
+        assert expected.any()
+        np.testing.assert_array_equal(span_scores(ctx, seq, cells), expected)
+    with pytest.raises(KVRescueError, match="cell index out of range"):
+        span_scores(ctx, 0, [ctx.n_ctx])
+    enable_scores(ctx, 8, per_head=False)
+    ctx.prefill(0, tokens[:8])
+    cells = ctx.cells(0)[0]
+    expected = np.stack([cell_scores(ctx, 0, layer)[cells] for layer in range(base_model.n_layer)])[:, None]
+    assert expected.any()
+    np.testing.assert_array_equal(span_scores(ctx, 0, cells), expected)
 
 
 def test_layer_0_attention_after_compaction_is_numpy_attention_over_each_head_s_kept_entries(base_model):

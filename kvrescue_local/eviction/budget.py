@@ -23,8 +23,8 @@ import numpy as np
 
 from ..errors import KVRescueError
 from ..runtime import Context
-from ..runtime.attention import (cell_scores, copy_scores, enable_scores, head_scores, key_rows, n_head_kv,
-                                 observe_scores, reset_scores)
+from ..runtime.attention import (cell_scores, copy_scores, enable_scores, key_rows, n_head_kv, observe_scores,
+                                 reset_scores, span_scores)
 from ..runtime.compaction import check_compaction, compact
 from .base import EvictionInputs, Policy, make_policy
 
@@ -197,7 +197,9 @@ class BudgetedSequences:
 
     def fork(self, src: int, dst: int) -> None:
         self.ctx.fork(src, dst)
-        if self.policy.reads_attention:
+        # a window policy's scores outside an open window are stale and reset when the next one opens: copying them
+        # would cost a device read and write per layer for nothing
+        if self.policy.reads_attention and (not self.windowed or self.track(src).observed_from is not None):
             copy_scores(self.ctx, src, dst)
         self.tracks[dst] = self.track(src).copy()
         if src in self.head_maps:
@@ -318,29 +320,26 @@ class BudgetedSequences:
         order = candidates[np.lexsort((positions[candidates], votes[candidates]))[::-1]]
         stays = forced.copy()
         stays[order[:n_stay]] = True
-        moves = [[], [], [], []]
+        # each head keeps budget entries, so it has as many incoming entries as free slots: in (layer, head, cell)
+        # order the k-th incoming entry of a head pairs with its k-th slot
+        layer, head, src = np.nonzero(held & ~stays)
+        dst = np.nonzero(stays & ~held)[2]
         moved = entries.copy()
-        for layer, head in np.ndindex(held.shape[:2]):
-            incoming = np.flatnonzero(held[layer, head] & ~stays)
-            slots = np.flatnonzero(stays & ~held[layer, head])
-            for src, dst in zip(incoming.tolist(), slots.tolist()):
-                for column, value in zip(moves, (layer, head, cells[src], cells[dst])):
-                    column.append(value)
-                moved[layer, head, dst] = entries[layer, head, src]
+        moved[layer, head, dst] = entries[layer, head, src]
         started = time.perf_counter()
-        compact(self.ctx, seq_id, *moves)
+        compact(self.ctx, seq_id, layer, head, cells[src], cells[dst])
         self.compaction_seconds += time.perf_counter() - started
-        self.moved_heads += len(moves[0])
+        self.moved_heads += len(src)
         for p0, p1 in evicted_runs(positions, stays):
             self.ctx.remove(seq_id, p0, p1)
         self.head_maps[seq_id] = {int(positions[i]): moved[:, :, i] for i in np.flatnonzero(stays)
                                   if (moved[:, :, i] != positions[i]).any()}
 
     def layer_scores(self, seq_id: int, cells: np.ndarray) -> np.ndarray:
-        """[n_layer, len(cells)] accumulated attention of seq_id (per head: [n_layer, n_head_kv, len(cells)])."""
-        if self.policy.per_head:
-            return np.stack([head_scores(self.ctx, seq_id, layer)[:, cells] for layer in range(self.ctx.model.n_layer)])
-        return np.stack([cell_scores(self.ctx, seq_id, layer)[cells] for layer in range(self.ctx.model.n_layer)])
+        """[n_layer, len(cells)] accumulated attention of seq_id (per head: [n_layer, n_head_kv, len(cells)]), read
+        from the device once per eviction, one transfer per layer."""
+        scores = span_scores(self.ctx, seq_id, cells)
+        return scores if self.policy.per_head else scores[:, 0]
 
     def window_attention(self, seq_id: int, track: Track, cells: np.ndarray) -> np.ndarray:
         """[n_layer, n] attention from the queries of the observation window (zeros if it never opened)."""

@@ -112,6 +112,28 @@ def head_scores(ctx: Context, seq_id: int, layer: int) -> np.ndarray:
     return out
 
 
+def span_scores(ctx: Context, seq_id: int, cells) -> np.ndarray:
+    """[n_layer, n_head, len(cells)]: the scores of seq_id in the given cells of every layer and head (n_head: the
+    KV heads when enabled per_head, else 1), read in one transfer per layer of the span of cells they cover."""
+    ctx.check_seq(seq_id)
+    cells = np.asarray(cells, dtype=np.int64).reshape(-1)
+    n_layer = ctx.model.n_layer
+    if len(cells) == 0:
+        return np.zeros((n_layer, 1, 0), np.float32)
+    if cells.min() < 0 or cells.max() >= ctx.n_ctx:
+        raise KVRescueError(f"cell index out of range [0, {ctx.n_ctx}): take cells from ctx.cells(seq_id)")
+    c0 = int(cells.min())
+    n_cells = int(cells.max()) - c0 + 1
+    out = np.zeros(n_layer * n_head_kv(ctx) * n_cells, np.float32)  # room for the most heads the scores may have
+    n = ctx.call(patched().llama_kvr_attn_get_span, ctx.handle, int(seq_id), c0, n_cells, out.ctypes.data_as(_F32P))
+    if n == -1:
+        raise KVRescueError("attention scores are not enabled on this context: call enable_scores(ctx, n_obs) "
+                            "before decoding")
+    if n < 0:
+        raise KVRescueError(f"llama_kvr_attn_get_span failed with status {n}")
+    return out[:n].reshape(n_layer, -1, n_cells)[:, :, cells - c0]
+
+
 def n_head_kv(ctx: Context) -> int:
     """KV heads per layer (a K row holds one key of head_k values per KV head)."""
     return ctx.model.n_head_kv

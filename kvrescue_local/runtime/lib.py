@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import interrupts
 from ..errors import KVRescueError
 
-REQUIRED_PATCH_LEVEL = 4
+REQUIRED_PATCH_LEVEL = 5
 REBUILD_HINT = "run `python3 patches/build.py` (README: set-up) to install the patched build"
 
 
@@ -84,6 +84,8 @@ def bind_patch(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llama_kvr_attn_get.restype = ctypes.c_int32
     lib.llama_kvr_attn_get_heads.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, f32p, ctypes.c_int32]
     lib.llama_kvr_attn_get_heads.restype = ctypes.c_int32
+    lib.llama_kvr_attn_get_span.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, f32p]
+    lib.llama_kvr_attn_get_span.restype = ctypes.c_int32
     lib.llama_kvr_compact.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, i32p, i32p, i32p, ctypes.c_int32]
     lib.llama_kvr_compact.restype = ctypes.c_int32
     lib.llama_kvr_k_rows.argtypes = [ctypes.c_void_p, ctypes.c_int32, i32p, ctypes.c_int32, f32p]
