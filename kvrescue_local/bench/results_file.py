@@ -37,7 +37,9 @@ from ..rescue import RescueConfig
 
 ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
-SOME_CONFIGURATIONS = ("pick_margin",)  # settings only configurations they matter to record: compared where both do
+# settings only the configurations they matter to record, by the choices that use them: compared where both do
+SOME_CONFIGURATIONS = {"pick_margin": ("prm", "base-first"), "helper_margin": ("base-first",),
+                       "calibration": ("calibrated",)}
 NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "prompt", "n_gpu_layers", "n_threads", "flash_attn", "n_batch",
                 "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v", "helper_cache_type_k",
                 "helper_cache_type_v")
@@ -208,11 +210,12 @@ def model_fingerprint(path: str | Path, head: str | Path | None = None) -> dict:
 
 
 def settings(config: RescueConfig) -> dict:
-    """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes (the
-    pick's margin only where a PRM picks)."""
+    """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes (a
+    commit rule's parameters only where a PRM scores for that rule)."""
     flat = {**dataclasses.asdict(config.kv), **dataclasses.asdict(config.detector), **dataclasses.asdict(config)}
-    return {k: v for k, v in sorted(flat.items())
-            if k not in NOT_SETTINGS and (k != "pick_margin" or config.needs_prm)}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(flat.items())
+            if k not in NOT_SETTINGS and (k not in SOME_CONFIGURATIONS
+                                          or config.needs_prm and config.choice in SOME_CONFIGURATIONS[k])}
 
 
 def setup(config: RescueConfig, model_files: dict[str, Path | None], prm_head: Path | None = None) -> dict:

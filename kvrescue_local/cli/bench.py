@@ -38,7 +38,8 @@ def bench() -> None:
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
 @click.option("--limit", type=POSITIVE, help="first LIMIT problems only")
 @click.option("--split", type=click.Choice(["train", "eval"]),
-              help="only the problems of a fixed split (gsm8k: ids 0-899 train, 900-1318 eval)")
+              help="only the problems of a fixed split (gsm8k: ids 0-899 train, 900-1318 eval; math500: positions "
+                   "250-499 train, 0-99 eval, 100-249 in neither)")
 @click.option("--modes", default="full,bon,kvrescue", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
 @click.option("--budgets", type=IntList(), default=str(DEFAULTS.kv.budget), show_default=True, help="comma-separated base KV budgets")
 @click.option("--ns", type=IntList(), default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")

@@ -72,6 +72,9 @@ SEARCH_OPTIONS = [
     click.option("--pick-margin", type=Finite(0, 1, high_open=True),
                  help="the PRM's pick: the first survivor (the base's candidates, then the helper's) within this of the "
                       f"best score {preset_default(DEFAULTS.pick_margin)}"),
+    click.option("--helper-margin", type=Finite(0, 1),
+                 help="--choice base-first: the helper's step is committed over the base's only when the PRM scores it "
+                      f"more than this higher, or no base candidate survives {preset_default(DEFAULTS.helper_margin)}"),
     click.option("--tau-entropy", type=Finite(0),
                  help="detector: mean entropy (nats) above which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_entropy)}"),

@@ -14,6 +14,7 @@ text, the round, the side and the candidate, so a trajectory does not depend on 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -77,17 +78,49 @@ def problem_key(problem: str) -> int:
 
 
 def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: int, seed: int | None = None) -> Draft:
-    """The round's winner: the PRM's favourite, or the first survivor within config.pick_margin of it (a lone
-    survivor is unscored), or with choice "random" one drawn by a seed of the run's seed (`seed`, else the
-    config's), the problem's key and the round (reproducible, and not the same draw on every problem)."""
+    """The round's winner by config.choice (a lone survivor is unscored): "prm", the PRM's favourite, or the first
+    survivor within config.pick_margin of it; "random", one drawn by a seed of the run's seed (`seed`, else the
+    config's), the problem's key and the round (reproducible, and not the same draw on every problem);
+    "base-first" and "calibrated", see base_first and most_probable."""
     if config.choice == "random":
         rng = np.random.default_rng([config.seed if seed is None else seed, key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
-    scores = [c.score if c.score is not None else 0.0 for c in survivors]
-    best = max(scores)
-    if config.pick_margin == 0:
-        return survivors[scores.index(best)]
-    return next(c for c, score in zip(survivors, scores) if score >= best - config.pick_margin)
+    if config.choice == "base-first":
+        return base_first(survivors, config)
+    if config.choice == "calibrated":
+        return most_probable(survivors, config.calibration)
+    return favourite(survivors, config.pick_margin)
+
+
+def reward(draft: Draft) -> float:
+    return draft.score if draft.score is not None else 0.0
+
+
+def favourite(survivors: list[Draft], pick_margin: float) -> Draft:
+    """The best-scored survivor, or the first within pick_margin of it."""
+    best = max(reward(c) for c in survivors)
+    return next(c for c in survivors if reward(c) >= best - pick_margin)
+
+
+def base_first(survivors: list[Draft], config: RescueConfig) -> Draft:
+    """The base's favourite survivor, unless none survives or the helper's favourite scores more than
+    config.helper_margin above it: with one base candidate a round, no kill and the margin never exceeded, the
+    trajectory is evicted best-of-N's (the base's seeds and sequences are the same in both modes)."""
+    base = [c for c in survivors if c.side == "base"]
+    helper = [c for c in survivors if c.side != "base"]
+    if not base or not helper:
+        return favourite(base or helper, config.pick_margin)
+    ours, theirs = favourite(base, config.pick_margin), favourite(helper, config.pick_margin)
+    return theirs if reward(theirs) - reward(ours) > config.helper_margin else ours
+
+
+def most_probable(survivors: list[Draft], calibration: tuple[float, float, float, float]) -> Draft:
+    """The survivor most probably right: its reward mapped through its source's calibration (the first on a tie)."""
+    def probability(draft: Draft) -> float:
+        slope, bias = calibration[:2] if draft.side == "base" else calibration[2:]
+        return 1 / (1 + math.exp(-(slope * reward(draft) + bias)))
+
+    return max(survivors, key=probability)
 
 
 @dataclass
