@@ -81,6 +81,12 @@ SEARCH_OPTIONS = [
     click.option("--tau-compression", type=Finite(0),
                  help=f"detector: zstd ratio below which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_compression)}"),
+    click.option("--helper-tau-entropy", type=Finite(0),
+                 help="detector: mean entropy (nats) above which a helper candidate dies, with --helper-tau-compression "
+                      f"(0 and 0: the helper is not watched) {preset_default(DEFAULTS.helper_tau_entropy)}"),
+    click.option("--helper-tau-compression", type=Finite(0),
+                 help=f"detector: zstd ratio below which a helper candidate dies "
+                      f"{preset_default(DEFAULTS.helper_tau_compression)}"),
     click.option("--rpc", help="host:port[,host:port...]: offload the models' layers to these `kvrescue-local "
                                "rpc-server`s (every layer unless -ngl says how many; needs a build with --rpc)"),
     click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True,

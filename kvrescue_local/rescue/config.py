@@ -23,6 +23,8 @@ from .record import Mode
 # most probably right by each source's calibrated reward ("calibrated")
 CHOICES = ("prm", "random", "base-first", "calibrated")
 SCORED_CHOICES = ("prm", "base-first", "calibrated")  # the choices a PRM scores the survivors for
+RULE_SETTINGS = {"pick_margin": ("prm", "base-first"), "helper_margin": ("base-first",), "calibration": ("calibrated",)}
+SOME_SETTINGS = (*RULE_SETTINGS, "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
 IDENTITY_CALIBRATION = (1.0, 0.0, 1.0, 0.0)  # base slope, base bias, helper slope, helper bias: P = sigmoid(slope·r + bias)
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
 QWEN_MATH_COT = QWEN_MATH_CHAT  # the real presets' chat format (Qwen2.5-Math's chain-of-thought prompt)
@@ -70,6 +72,10 @@ class RescueConfig:
     # with choice "calibrated": each source's reward r mapped to P(step right) = sigmoid(slope·r + bias), fitted on
     # the labelled steps of training problems (rescue/calibration.py), as IDENTITY_CALIBRATION's four numbers
     calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
+    # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
+    # helper is not watched. A round whose candidates all die commits the least degenerate (Step.fallback)
+    helper_tau_entropy: float = 0.0
+    helper_tau_compression: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -87,6 +93,14 @@ class RescueConfig:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
         if not 0 <= self.pick_margin < 1:
             raise KVRescueError(f"--pick-margin must be in [0, 1), a difference of rewards (got {self.pick_margin})")
+        if (self.helper_tau_entropy, self.helper_tau_compression) != (0.0, 0.0):
+            if not self.mode.detects:
+                raise KVRescueError(f"the helper's detector thresholds watch the helper inside KV-Rescue, and mode "
+                                    f"{self.mode} has no detector: drop --helper-tau-entropy/--helper-tau-compression")
+            if self.helper_tau_entropy <= 0 or not 0 < self.helper_tau_compression < 1.5:
+                raise KVRescueError(f"the helper's detector takes both thresholds: --helper-tau-entropy > 0 (nats) and "
+                                    f"--helper-tau-compression in (0, 1.5) (got {self.helper_tau_entropy}, "
+                                    f"{self.helper_tau_compression}); 0 and 0 leave the helper unwatched")
         if not 0 <= self.helper_margin <= 1:
             raise KVRescueError(f"--helper-margin must be in [0, 1], a difference of rewards (got {self.helper_margin})")
         if self.choice not in CHOICES:
@@ -95,6 +109,21 @@ class RescueConfig:
             raise KVRescueError("the prompt template must contain {problem}")
         check_cache_types(self.cache_type_k, self.cache_type_v, self.flash_attn, "-ctk", "-ctv")
         check_cache_types(self.helper_cache_type_k, self.helper_cache_type_v, self.flash_attn, "-ctkh", "-ctvh")
+
+    @property
+    def helper_detector(self) -> DetectorParams | None:
+        """The detector's settings for the helper's candidates; None when the helper is not watched."""
+        if (self.helper_tau_entropy, self.helper_tau_compression) == (0.0, 0.0):
+            return None
+        return dataclasses.replace(self.detector, tau_entropy=self.helper_tau_entropy,
+                                   tau_compression=self.helper_tau_compression)
+
+    def records(self, setting: str) -> bool:
+        """Whether rows of this configuration record a setting that only some configurations use (SOME_SETTINGS):
+        a rule's parameters where a PRM scores for that rule, the helper's thresholds where a detector runs."""
+        if setting in ("helper_tau_entropy", "helper_tau_compression"):
+            return self.mode.detects
+        return self.needs_prm and self.choice in RULE_SETTINGS[setting]
 
     def cache_types(self, side: str) -> tuple[str, str]:
         """(K, V) cache types of a side's contexts ("base" or "helper")."""

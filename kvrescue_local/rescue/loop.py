@@ -123,6 +123,12 @@ def most_probable(survivors: list[Draft], calibration: tuple[float, float, float
     return max(survivors, key=probability)
 
 
+def least_degenerate(killed: list[Draft]) -> Draft:
+    """Of a round's candidates, all killed, the one whose text repeated least (the highest zstd ratio it reached),
+    then the least uncertain: the trajectory goes on from it rather than stopping."""
+    return max(killed, key=lambda c: (c.monitor.min_compression, -c.monitor.max_mean_entropy))
+
+
 @dataclass
 class Solving:
     """A problem in flight: its slot, its trajectory so far and the seconds charged to it."""
@@ -184,6 +190,7 @@ class Rescue:
                                              scores=scores, **common)
         self.scorer = HelperJudge(self.sides["helper"], judge.format, judge.head) if in_helper else self.prm
         self.detector = Detector(config.detector) if config.mode.detects else None
+        self.helper_detector = Detector(config.helper_detector) if config.mode.detects and config.helper_detector else None
         self.prompt_tokens_max = prompt_tokens_max
         self.prm_seconds = 0.0
 
@@ -252,7 +259,7 @@ class Rescue:
             s.drafts = []
         for side_index, (name, gen) in enumerate(self.sides.items()):
             requests = [Request(s.slot, (s.key, s.round, side_index), s.tail, s.seed) for s in flying]
-            drafts = gen.propose(requests, self.detector if name == "base" else None)
+            drafts = gen.propose(requests, self.detector if name == "base" else self.helper_detector)
             for s in flying:
                 s.drafts += drafts[s.slot]
         self.score([s for s in flying if sum(not c.killed for c in s.drafts) > 1])
@@ -293,11 +300,9 @@ class Rescue:
         """Commit the problem's winner of this round; True when the problem is finished."""
         traj = s.trajectory
         survivors = [c for c in s.drafts if not c.killed]
-        if not survivors:
-            traj.stop = "all_killed"
-            return True
-        winner = choose(survivors, self.config, s.key, s.round, s.seed)
-        step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts])
+        winner = choose(survivors, self.config, s.key, s.round, s.seed) if survivors else least_degenerate(s.drafts)
+        step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts],
+                    fallback=not survivors)
         traj.steps.append(step)
         traj.tokens["committed"] += len(winner.tokens)
         s.round += 1
