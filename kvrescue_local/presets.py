@@ -101,15 +101,12 @@ COMMIT_RULES = ("helper_margin", "calibration")  # the commit rules' fitted para
 
 def preset_spec(directory: Path) -> dict:
     """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe's detector
-    settings, its helper_detector.json's thresholds as the helper's, and its commit.json's fitted rule parameters ("rule", written by perf/fit_commit.py beside what they
+    settings, and its commit.json's fitted rule parameters ("rule", written by perf/fit_commit.py beside what they
     were fitted on, "fit") over the recipe."""
     spec = _read_json(directory / "preset.json")
     recipe = dict(spec.get("recipe") or {})
     if (directory / "detector.json").exists():
         recipe["detector"] = {**recipe.get("detector", {}), **_read_json(directory / "detector.json")}
-    if (directory / "helper_detector.json").exists():  # the helper's own thresholds (perf/calibrate_real.py --side helper)
-        helper = _read_json(directory / "helper_detector.json")
-        recipe.update(helper_tau_entropy=helper.get("tau_entropy"), helper_tau_compression=helper.get("tau_compression"))
     if (directory / "commit.json").exists():
         rule = _read_json(directory / "commit.json").get("rule")
         if not isinstance(rule, dict) or set(rule) - set(COMMIT_RULES):

@@ -73,7 +73,8 @@ class RescueConfig:
     # the labelled steps of training problems (rescue/calibration.py), as IDENTITY_CALIBRATION's four numbers
     calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
     # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
-    # helper is not watched. A round whose candidates all die commits the least degenerate (Step.fallback)
+    # helper is not watched, the default, as in every row written before these settings. A round whose candidates
+    # all die commits the least degenerate (Step.fallback)
     helper_tau_entropy: float = 0.0
     helper_tau_compression: float = 0.0
 
