@@ -195,6 +195,7 @@ class RescueConfig:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["mode"] = self.mode.value
+        out["calibration"] = list(self.calibration)  # as JSON reads it back
         return out
 
     def with_overrides(self, overrides: dict) -> RescueConfig:
