@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import KVRescueError
 from ..rescue import Trajectory
 from ..rescue.config import IDENTITY_CALIBRATION
+from ..rescue.loop import calibrated
 from .examples import check_split, usable
 
 MARGINS = tuple(round(0.005 * i, 3) for i in range(201))  # the base-first margins tried: 0 to 1 by 0.005
@@ -79,11 +80,6 @@ def logistic(rewards: np.ndarray, labels: np.ndarray, l2: float = L2, iterations
     return float(w[0]), float(w[1])
 
 
-def probability(calibration: tuple[float, ...], source: str, reward: float) -> float:
-    slope, bias = calibration[:2] if source == "base" else calibration[2:]
-    return 1 / (1 + math.exp(-(slope * reward + bias)))
-
-
 def fit(rows: list[dict], where: str) -> CommitFit:
     """Both parameters from KV-Rescue rows of training problems (any other row is refused)."""
     rows, _ = usable(rows)
@@ -102,8 +98,8 @@ def fit(rows: list[dict], where: str) -> CommitFit:
                                                                                                dtype=float))
 
     def expected(margin: float) -> float:
-        return sum(probability(calibration, "helper", r.helper) if r.helper - r.base > margin
-                   else probability(calibration, "base", r.base) for r in rounds)
+        return sum(calibrated(calibration, "helper", r.helper) if r.helper - r.base > margin
+                   else calibrated(calibration, "base", r.base) for r in rounds)
 
     values = {m: expected(m) for m in MARGINS}
     best = max(values.values())

@@ -114,13 +114,15 @@ def base_first(survivors: list[Draft], config: RescueConfig) -> Draft:
     return theirs if reward(theirs) - reward(ours) > config.helper_margin else ours
 
 
+def calibrated(calibration: tuple[float, ...], side: str, value: float) -> float:
+    """P(step right) of a reward of `side`'s step under a calibration (RescueConfig.calibration)."""
+    slope, bias = calibration[:2] if side == "base" else calibration[2:]
+    return 1 / (1 + math.exp(-(slope * value + bias)))
+
+
 def most_probable(survivors: list[Draft], calibration: tuple[float, float, float, float]) -> Draft:
     """The survivor most probably right: its reward mapped through its source's calibration (the first on a tie)."""
-    def probability(draft: Draft) -> float:
-        slope, bias = calibration[:2] if draft.side == "base" else calibration[2:]
-        return 1 / (1 + math.exp(-(slope * reward(draft) + bias)))
-
-    return max(survivors, key=probability)
+    return max(survivors, key=lambda c: calibrated(calibration, c.side, reward(c)))
 
 
 def least_degenerate(killed: list[Draft]) -> Draft:
