@@ -24,6 +24,7 @@ from .examples import check_split, usable
 
 MARGINS = tuple(round(0.005 * i, 3) for i in range(201))  # the base-first margins tried: 0 to 1 by 0.005
 L2 = 1.0  # the logistic fit's penalty on the slope: few labelled steps, and rewards within a narrow range
+L2_BIAS = 0.01  # and on the bias, which keeps it finite where a source's steps are all right or all wrong
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,15 @@ def scored_rounds(rows: list[dict]) -> list[ScoredRound]:
 
 
 def logistic(rewards: np.ndarray, labels: np.ndarray, l2: float = L2, iterations: int = 50) -> tuple[float, float]:
-    """(slope, bias) of P(right) = sigmoid(slope·reward + bias) by Newton's method, the slope penalized by l2."""
+    """(slope, bias) of P(right) = sigmoid(slope·reward + bias) by Newton's method, the slope penalized by l2 and
+    the bias by L2_BIAS."""
     x = np.stack([rewards, np.ones_like(rewards)], axis=1)
     w = np.zeros(2)
-    penalty = np.diag([l2, 0.0])
+    penalty = np.diag([l2, L2_BIAS])
     for _ in range(iterations):
         p = 1 / (1 + np.exp(-x @ w))
         gradient = x.T @ (p - labels) + penalty @ w
-        hessian = x.T @ (x * (p * (1 - p))[:, None]) + penalty + 1e-9 * np.eye(2)
+        hessian = x.T @ (x * (p * (1 - p))[:, None]) + penalty
         step = np.linalg.solve(hessian, gradient)
         w -= step
         if np.abs(step).max() < 1e-10:
