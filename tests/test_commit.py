@@ -78,6 +78,8 @@ def test_the_fit_reads_training_rows_only_and_learns_that_the_helper_misleads():
     evaluation = row(load_dataset("math500", split="eval").problems[0].id, True, [("base", 0.5, 0.6)])
     with pytest.raises(KVRescueError, match="is an evaluation problem"):
         fit([*rows, evaluation], "rows")
+    with pytest.raises(KVRescueError, match="all come from trajectories that ended wrong"):
+        fit([r for r in rows if not r["correct"]], "rows")
 
 
 def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(base_path, helper_path, tiny_prm_path,

@@ -88,6 +88,11 @@ def fit(rows: list[dict], where: str) -> CommitFit:
     check_split(rows, "train", where)
     rows = [r for r in rows if (r.get("config") or {}).get("mode") == "kvrescue"]
     rounds = scored_rounds(rows)
+    labels = {r.right for r in rounds}
+    if labels != {0, 1}:
+        raise KVRescueError(f"{where}: the {len(rounds)} scored rounds of {len({r.problem for r in rounds})} problems "
+                            f"all come from trajectories that ended {'right' if labels == {1} else 'wrong'}, so "
+                            "nothing tells a right step's reward from a wrong one's: fit on more training problems")
     steps = {}
     calibration = list(IDENTITY_CALIBRATION)
     for i, source in enumerate(("base", "helper")):
