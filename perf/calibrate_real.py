@@ -144,7 +144,7 @@ def replay(args) -> None:
     print(f"zstd threshold {shipped.tau_compression} ({args.detector}), {shipped.text_window}-byte window, checked "
           f"every {shipped.check_every} tokens; wrote {args.stats}")
     print(f"{'setting':8s}  {'trajectories':>12s}  {'at the cap':>10s}  {'a step killed':>13s}  {'of them capped':>14s}  "
-          f"{'base tokens':>11s}  {'after the first kill':>20s}")
+          f"{args.side + ' tokens':>11s}  {'after the first kill':>20s}")
     for setting, s in sorted(summary.items()):
         print(f"{setting:8s}  {s['trajectories']:12d}  {s['capped']:10d}  {s['killed']:13d}  {s['capped_killed']:14d}  "
               f"{s['tokens']:11,d}  {s['after_kill']:13,d} ({100 * s['after_kill'] / max(s['tokens'], 1):.1f}%)")
