@@ -93,7 +93,7 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(
     with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
         preset_spec(tmp_path)
     results = tmp_path / "rules.jsonl"
-    args = ["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--modes", "kvrescue", "--budgets", "32",
+    args = ["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--modes", "bon,kvrescue", "--budgets", "32",
             "--buffer", "16", "--max-tokens", "40", "--max-step-tokens", "16", "--ns", "1", "--base", str(base_path),
             "--helper", str(helper_path), "--prm", str(tiny_prm_path), "--results", str(results),
             "--choice", "prm,base-first,calibrated,random", "--helper-margin", "0.2"]
@@ -101,11 +101,19 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(
     assert ran.exit_code == 0, ran.output
     settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
     recorded = {key: {k for k in ("pick_margin", "helper_margin", "calibration") if k in s} for key, s in settings.items()}
-    assert recorded == {"kvrescue-b32-n1-rkv": {"pick_margin"},
+    assert recorded == {"bon-b32-n1-rkv": set(), "kvrescue-b32-n1-rkv": {"pick_margin"},
                         "kvrescue-b32-n1-rkv-base-first": {"pick_margin", "helper_margin"},
                         "kvrescue-b32-n1-rkv-calibrated": {"calibration"}, "kvrescue-b32-n1-rkv-random": set()}
     assert settings["kvrescue-b32-n1-rkv-base-first"]["helper_margin"] == 0.2
     report = CliRunner().invoke(main, ["report", str(results)])
     assert report.exit_code == 0 and "kvrescue/base-first" in report.output, report.output
+    assert "kvrescue/base-first b32 n1 rkv vs bon b32 n1 rkv, on the 1 problems both ran" in report.output
+    assert "helper kills" not in report.output, "no row watched the helper: no such column"
+    watched = tmp_path / "watched.jsonl"
+    ran = CliRunner().invoke(main, [*args[:args.index("--results") + 1], str(watched), "--choice", "base-first",
+                                    "--helper-tau-entropy", "50", "--helper-tau-compression", "0.35"])
+    assert ran.exit_code == 0, ran.output
+    assert read_rows(watched)[-1]["setup"]["settings"]["helper_tau_compression"] == 0.35
+    assert "helper kills" in CliRunner().invoke(main, ["report", str(watched)]).output
     resumed = CliRunner().invoke(main, [*args[:-1], "0.3", "--resume"])
     assert resumed.exit_code != 0 and "helper_margin 0.2 vs 0.3" in resumed.output, resumed.output

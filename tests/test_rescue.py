@@ -118,8 +118,6 @@ def test_a_watched_looping_helper_is_killed_and_a_round_all_killed_commits_the_l
     assert Trajectory.from_json(json.loads(json.dumps(both.to_json()))).fallbacks == both.fallbacks
     with pytest.raises(KVRescueError, match="both thresholds"):
         config(helper_tau_compression=0.35)
-    with pytest.raises(KVRescueError, match="has no detector"):
-        config(mode="bon", helper_tau_entropy=3.0, helper_tau_compression=0.35)
 
 
 def test_last_boxed_answer():

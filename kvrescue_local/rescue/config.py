@@ -94,10 +94,7 @@ class RescueConfig:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
         if not 0 <= self.pick_margin < 1:
             raise KVRescueError(f"--pick-margin must be in [0, 1), a difference of rewards (got {self.pick_margin})")
-        if (self.helper_tau_entropy, self.helper_tau_compression) != (0.0, 0.0):
-            if not self.mode.detects:
-                raise KVRescueError(f"the helper's detector thresholds watch the helper inside KV-Rescue, and mode "
-                                    f"{self.mode} has no detector: drop --helper-tau-entropy/--helper-tau-compression")
+        if (self.helper_tau_entropy, self.helper_tau_compression) != (0.0, 0.0):  # used in kvrescue mode only
             if self.helper_tau_entropy <= 0 or not 0 < self.helper_tau_compression < 1.5:
                 raise KVRescueError(f"the helper's detector takes both thresholds: --helper-tau-entropy > 0 (nats) and "
                                     f"--helper-tau-compression in (0, 1.5) (got {self.helper_tau_entropy}, "
