@@ -117,3 +117,11 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(
     assert "helper kills" in CliRunner().invoke(main, ["report", str(watched)]).output
     resumed = CliRunner().invoke(main, [*args[:-1], "0.3", "--resume"])
     assert resumed.exit_code != 0 and "helper_margin 0.2 vs 0.3" in resumed.output, resumed.output
+
+
+@pytest.mark.parametrize("choice", ["base-first", "calibrated"])
+def test_a_rule_that_reads_rewards_loads_the_presets_prm_when_none_is_given(base_path, helper_path, choice):
+    ran = CliRunner().invoke(main, ["solve", "--mode", "kvrescue", "-n", "1", "--budget", "32", "--buffer", "16",
+                                    "--max-tokens", "40", "--base", str(base_path), "--helper", str(helper_path),
+                                    "--choice", choice, "1+1?"])
+    assert ran.exit_code == 0, ran.output

@@ -18,7 +18,7 @@ from .models import quantized_with_progress
 from ..files import check_writable
 from ..prm import PRM
 from ..rescue import MODES, Mode, longest_prompt
-from ..rescue.config import CHOICES
+from ..rescue.config import CHOICES, SCORED_CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_prompts_fit, kv_memory,
                              largest_fitting)
 from .common import DEFAULTS, name_list, note, parse_size, search_options
@@ -79,7 +79,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     choices = name_list(choices, CHOICES, "choice")
     most_sides = max(m.sides for m in modes)
     selection = select_models(options, needs_base, needs_helper,
-                              needs_prm=most_sides * max(ns) > 1 and "prm" in choices, note=note)
+                              needs_prm=most_sides * max(ns) > 1 and bool(set(choices) & set(SCORED_CHOICES)), note=note)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
     caches = cache_axis(cache_types, template, options)
     base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}
