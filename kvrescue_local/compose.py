@@ -37,7 +37,8 @@ OPTION_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
     "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
     "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "choice": "choice",
-    "pick_margin": "pick_margin",
+    "pick_margin": "pick_margin", "helper_margin": "helper_margin", "helper_tau_entropy": "helper_tau_entropy",
+    "helper_tau_compression": "helper_tau_compression",
     "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
     "cache_type_k_helper": "helper_cache_type_k", "cache_type_v_helper": "helper_cache_type_v",
 }

@@ -96,12 +96,23 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
     return Preset(name, **files, helper_head=directory / "helper.head.npz", **preset_spec(directory))
 
 
+COMMIT_RULES = ("helper_margin", "calibration")  # the commit rules' fitted parameters in a preset's commit.json
+
+
 def preset_spec(directory: Path) -> dict:
-    """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe."""
+    """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe's detector
+    settings, and its commit.json's fitted rule parameters ("rule", written by perf/fit_commit.py beside what they
+    were fitted on, "fit") over the recipe."""
     spec = _read_json(directory / "preset.json")
     recipe = dict(spec.get("recipe") or {})
     if (directory / "detector.json").exists():
         recipe["detector"] = {**recipe.get("detector", {}), **_read_json(directory / "detector.json")}
+    if (directory / "commit.json").exists():
+        rule = _read_json(directory / "commit.json").get("rule")
+        if not isinstance(rule, dict) or set(rule) - set(COMMIT_RULES):
+            raise KVRescueError(f"{directory / 'commit.json'} has no \"rule\" of {', '.join(COMMIT_RULES)}: refit it "
+                                "with perf/fit_commit.py or restore it from the repository")
+        recipe.update(rule)
     return {"note": spec.get("note", ""), "prompt": spec.get("prompt"), "recipe": recipe}
 
 

@@ -19,6 +19,9 @@ Usage:
       --budgets 64 --max-tokens 4096 --shard 0/2    # and --shard 1/2 into long-1.jsonl, side by side
   python3 perf/calibrate_real.py replay results/coder-math500-table.jsonl.zst --stats replay.jsonl
   python3 perf/calibrate_real.py fit --stats cal.jsonl [more.jsonl ...] [--write models/coder/detector.json]
+  # the helper's own thresholds, from its committed steps in rows of training problems
+  python3 perf/calibrate_real.py replay --side helper results/coder-gsm8k-n1.jsonl TRAIN.jsonl --stats helper.jsonl
+  python3 perf/calibrate_real.py fit --stats helper.jsonl --normal helper  # for --helper-tau-entropy/-compression
 """
 
 from __future__ import annotations
@@ -87,9 +90,15 @@ def collect_locked(args) -> None:
                       f"stop {record['stop']}, answer {record['answer']} (gold {problem.answer})", flush=True)
 
 
-def setting_of(row: dict) -> str | None:
-    """A row's setting in collect's names; None for a mode whose committed steps are not all the base's."""
+def setting_of(row: dict, side: str = "base") -> str | None:
+    """A row's setting in collect's names; None for a mode whose committed steps are not all the base's. For the
+    helper's steps (side "helper": of helper-alone and KV-Rescue rows), "helper" where the trajectory ended by itself
+    and "helper@cap" where it ran to a length cap (where the helper's loops are)."""
     config = row["config"]
+    if side == "helper":
+        if config["mode"] not in ("helper", "kvrescue"):
+            return None
+        return "helper@cap" if row["length_capped"] else "helper"
     if config["mode"] == "full":
         return "full"
     return f"bon@{config['budget']}" if config["mode"] == "bon" and config["n"] == 1 else None
@@ -103,7 +112,7 @@ def replay(args) -> None:
     model = Model(args.base)
     shipped = load_params(args.detector)
     unique = {(r["dataset"], r["id"], r["config_key"]): r for path in args.results for r in read_rows(path)}
-    rows = [r for r in unique.values() if "trajectory" in r and setting_of(r)]  # a problem in two files once
+    rows = [r for r in unique.values() if "trajectory" in r and setting_of(r, args.side)]  # a problem in two files once
     if not rows:
         raise SystemExit(f"Error: {', '.join(map(str, args.results))} hold no full-KV or N = 1 best-of-N rows with "
                          "trajectories: pass results files of `bench run --modes full,bon --ns 1`")
@@ -112,9 +121,12 @@ def replay(args) -> None:
     summary: dict[str, dict] = {}
     with args.stats.open("w") as out:
         for row in rows:
-            setting, text, kill_at = setting_of(row), b"", None
-            at = 0  # base tokens before this step
+            setting, text, kill_at = setting_of(row, args.side), b"", None
+            at = 0  # the side's tokens before this step
             for step in row["trajectory"]["steps"]:
+                if step["source"] != args.side:  # the other side's step: only the text the monitors start from
+                    text += step["text"].encode()
+                    continue
                 monitor = Detector(watching).monitor(text)
                 tokens = model.tokenize(step["text"], special=False)
                 for i, token in enumerate(tokens):
@@ -137,7 +149,7 @@ def replay(args) -> None:
     print(f"zstd threshold {shipped.tau_compression} ({args.detector}), {shipped.text_window}-byte window, checked "
           f"every {shipped.check_every} tokens; wrote {args.stats}")
     print(f"{'setting':8s}  {'trajectories':>12s}  {'at the cap':>10s}  {'a step killed':>13s}  {'of them capped':>14s}  "
-          f"{'base tokens':>11s}  {'after the first kill':>20s}")
+          f"{args.side + ' tokens':>11s}  {'after the first kill':>20s}")
     for setting, s in sorted(summary.items()):
         print(f"{setting:8s}  {s['trajectories']:12d}  {s['capped']:10d}  {s['killed']:13d}  {s['capped_killed']:14d}  "
               f"{s['tokens']:11,d}  {s['after_kill']:13,d} ({100 * s['after_kill'] / max(s['tokens'], 1):.1f}%)")
@@ -180,15 +192,15 @@ def fit(args) -> None:
             continue
         threshold, separability = otsu_threshold([r[key] for r in subset])  # the detector's own calibration
         trial = dataclasses.replace(WATCH_ONLY, **{field: threshold})
-        false_kills = kill_rates([r for r in subset if r["setting"] == "full"], trial).get("full", 0.0)
+        false_kills = kill_rates([r for r in subset if r["setting"] == args.normal], trial).get(args.normal, 0.0)
         keep = separability >= MIN_SEPARABILITY and false_kills <= MAX_FALSE_KILLS
         print(f"  Otsu: threshold {threshold:.3f}, separability {separability:.2f}, it would kill "
               + ", ".join(f"{s} {v:.1f}%" for s, v in kill_rates(subset, trial).items())
-              + ("" if keep else f": not used (separability < 0.75 or > {MAX_FALSE_KILLS}% full-KV kills), "
+              + ("" if keep else f": not used (separability < 0.75 or > {MAX_FALSE_KILLS}% {args.normal} kills), "
                                  f"default {getattr(defaults, field)} kept"))
         if keep:
             chosen[field] = threshold
-    full_text = [r["text"].encode() for r in rows if r["setting"] == "full" and len(r["text"].encode()) >= 256]
+    full_text = [r["text"].encode() for r in rows if r["setting"] == args.normal and len(r["text"].encode()) >= 256]
     ratios = [compression_ratio(t[i:i + 256]) for t in full_text for i in range(0, len(t) - 255, 64)]
     enums = {"a_1 = 2, a_2 = 4, ...": enumeration(2, 2, 40), "a_1 = 3, a_2 = 10, ... (+7)": enumeration(3, 7, 40)}
     for label, text in enums.items():
@@ -229,9 +241,14 @@ def main() -> None:
     r.add_argument("--base", type=Path, default=MODELS_CACHE / "coder-1.5b.gguf", help="the tokenizer the base used")
     r.add_argument("--detector", type=Path, default=Path(__file__).parent.parent / "models/coder/detector.json")
     r.add_argument("--stats", type=Path, required=True)
+    r.add_argument("--side", choices=["base", "helper"], default="base",
+                   help="whose committed steps: the base's (full-KV and best-of-N rows) or the helper's (helper-alone "
+                        "and KV-Rescue rows; the pair shares one tokenizer)")
     f = sub.add_parser("fit")
     f.add_argument("--stats", type=Path, nargs="+", required=True, help="lines of `collect` or `replay`")
     f.add_argument("--write", type=Path, help="store the fitted thresholds here (JSON)")
+    f.add_argument("--normal", default="full", help="the setting whose candidates a threshold must not kill (at most "
+                                                    f"{MAX_FALSE_KILLS}%%): full, or helper for the helper's thresholds")
     args = parser.parse_args()
     {"collect": collect, "replay": replay, "fit": fit}[args.command](args)
 

@@ -174,3 +174,34 @@ def test_table3_reports_problems_per_minute_and_kv_bytes_per_concurrency(base_pa
     for mode in ("full", "bon", "kvrescue"):
         runs = [line.split()[3:5] for line in table3.splitlines() if line.split()[:1] == [mode]]
         assert runs == [["1", "off"], ["3", "off"], ["3", "on"]], f"{mode}: K = 1, and K = 3 with each kernel apart"
+
+
+def test_base_first_is_evicted_best_of_n_until_a_kill_or_the_margin(toy):
+    """One base candidate a round, sampled at the toy's temperature 1: base-first with the margin never exceeded
+    (1) commits every surviving base step, so until the first round whose base candidate is killed each problem's
+    trajectory is the one evicted best-of-N writes with the same seed, evictions included, and a problem without a
+    kill is that trajectory whole; a lower margin lets the judge commit helper steps."""
+    problems = [p.text for p in held_out(8)]
+    common = dict(n=1, kv={"budget": 96}, **cache_fields("f32", "f32"))
+    bon, _ = solve_all(toy, preset_config(toy[0], mode="bon", **common), problems, 4)
+    first, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", choice="base-first", helper_margin=1.0, **common),
+                         problems, 4)
+    compared = 0
+    for problem in problems:
+        ours, theirs = first[problem], bon[problem]
+        kill = next((s.round for s in ours.steps if s.killed), None)
+        same = len(ours.steps) if kill is None else kill
+        assert [s.text for s in ours.steps[:same]] == [s.text for s in theirs.steps[:same]]
+        assert ours.base_cells[:same] == theirs.base_cells[:same]
+        assert {s.source for s in ours.steps[:same]} <= {"base"}
+        compared += same
+        if kill is None:
+            assert (ours.answer, ours.stop, ours.evictions, ours.tokens["base"], len(ours.steps)) == (
+                theirs.answer, theirs.stop, theirs.evictions, theirs.tokens["base"], len(theirs.steps))
+        else:  # the round whose base candidate died commits the helper's step
+            assert ours.steps[kill].source == "helper"
+    assert compared >= 2 * len(problems), "enough rounds before a kill for the comparison to say something"
+    assert any(t.killed == 0 for t in first.values()), "a problem without a kill, compared whole"
+    eager, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", choice="base-first", helper_margin=0.0, **common),
+                         problems, 4)
+    assert any(s.source == "helper" and not s.killed for t in eager.values() for s in t.steps)

@@ -100,6 +100,26 @@ def test_the_detector_kills_a_looping_base_and_the_helper_rescues(looping_model,
     assert traj.steps_from() == {"base": 0, "helper": traj.n_steps}
 
 
+def test_a_watched_looping_helper_is_killed_and_a_round_all_killed_commits_the_least_degenerate(
+        looping_model, base_model, tiny_prm):
+    """The helper loops: watched by its own thresholds, each of its candidates dies, and the base's steps are
+    committed; when the base loops too, every round falls back to its least degenerate candidate, says so, and the
+    trajectory goes on to its cap instead of stopping."""
+    watched = dict(detector=DetectorParams(tau_entropy=50.0), helper_tau_entropy=50.0, helper_tau_compression=0.35, n=2,
+                   max_step_tokens=300, max_tokens=200)
+    traj = Rescue(config(**watched), base_model, looping_model, tiny_prm).solve(PROBLEM)
+    helper = [c for s in traj.steps for c in s.candidates if c.side == "helper"]
+    assert helper and all(c.killed and c.detector["killed"] == "repetition" for c in helper)
+    assert traj.helper_killed == len(helper) and traj.fallbacks == 0
+    assert traj.steps_from() == {"base": traj.n_steps, "helper": 0}
+    both = Rescue(config(**{**watched, "max_tokens": 400}), looping_model, looping_model, tiny_prm).solve(PROBLEM)
+    assert both.fallbacks == both.n_steps > 1 and both.stop == "max_tokens"
+    assert all(s.fallback and s.killed == 4 for s in both.steps)
+    assert Trajectory.from_json(json.loads(json.dumps(both.to_json()))).fallbacks == both.fallbacks
+    with pytest.raises(KVRescueError, match="both thresholds"):
+        config(helper_tau_compression=0.35)
+
+
 def test_last_boxed_answer():
     assert last_boxed("so \\boxed{1} then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
     assert last_boxed("no answer") is None

@@ -3,6 +3,7 @@ task, or a JSONL file; each with the grader that decides a trajectory's answer."
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -34,9 +35,10 @@ HUB = {
     "amc23": HubDataset("math-ai/amc23", "test.jsonl", "question", "answer"),
     "olympiadbench": HubDataset("math-ai/olympiadbench", "test.jsonl", "question", "final_answer"),
 }
-# Fixed splits for work that learns from a dataset (the coder PRM): ids in [start, stop) of the vendored file.
-# Training reads only "train" rows and evaluation only "eval" rows, so the two are never mixed.
-SPLITS = {"gsm8k": {"train": (0, 900), "eval": (900, 1319)}}
+# Fixed splits for work that learns from a dataset (the coder PRM, the commit rules' fits): positions in [start, stop)
+# of the vendored file (GSM8K's ids are its positions). Training reads only "train" rows and evaluation only "eval"
+# rows, so the two are never mixed; MATH500's positions 100-249 are in no split: nothing trains or tunes on them.
+SPLITS = {"gsm8k": {"train": (0, 900), "eval": (900, 1319)}, "math500": {"train": (250, 500), "eval": (0, 100)}}
 GENERATED = ("toy",)  # kvrescue_local/toy/task.py: the toy ledger task, graded by exact integer match
 DATASET_NAMES = sorted([*VENDORED, *HUB, *GENERATED])
 
@@ -133,10 +135,18 @@ def fetch_hub_dataset(spec: HubDataset, cache_dir: str | Path | None = None, off
                             f"({type(exc).__name__}): check the network or pass --data FILE.jsonl") from None
 
 
+@functools.cache
+def positions(dataset: str) -> dict[str, int]:
+    """Each problem id of a vendored dataset and its position in the file."""
+    return {p.id: i for i, p in enumerate(read_jsonl(VENDORED[dataset]))}
+
+
 def split_of(dataset: str, problem_id: str) -> str | None:
-    """The split ("train" or "eval") a problem of a split dataset belongs to; None for other datasets."""
+    """The split ("train" or "eval") a problem of a split dataset belongs to; None for other datasets and problems
+    in no split."""
+    position = positions(dataset).get(problem_id) if dataset in SPLITS else None
     for split, (start, stop) in SPLITS.get(dataset, {}).items():
-        if problem_id.isdigit() and start <= int(problem_id) < stop:
+        if position is not None and start <= position < stop:
             return split
     return None
 

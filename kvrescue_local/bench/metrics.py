@@ -64,6 +64,7 @@ def result_line(dataset: str, problem_id: str, gold: str, correct: bool, config_
         "length_capped": trajectory.length_capped, "n_steps": trajectory.n_steps,
         "steps_from": trajectory.steps_from(), "tokens": trajectory.tokens, "base_candidates": len(base),
         "killed": trajectory.killed, "early_exit_fraction": trajectory.early_exit_fraction,
+        "helper_killed": trajectory.helper_killed, "fallbacks": trajectory.fallbacks,
         "detector": [c.detector for c in base if c.detector is not None], "timings": trajectory.timings,
         # the whole record (every round's candidates, killed ones included): what `bench view` shows and
         # what a PRM trains on
@@ -117,6 +118,7 @@ class ConfigKey:
 
 
 UNRECORDED = "unrecorded"  # rows written before setups were recorded
+UNWATCHED_HELPER = ("helper_tau_entropy", "helper_tau_compression")
 
 
 def setup_label(row: dict) -> str:
@@ -124,8 +126,10 @@ def setup_label(row: dict) -> str:
     setup = row.get("setup")
     if setup is None:
         return UNRECORDED
+    # a helper left unwatched (0 and 0) hashes as the rows from before its thresholds were settings
     without_seed = {**{k: v for k, v in setup.items() if k not in AXIS_RECORDS},
-                    "settings": {k: v for k, v in setup["settings"].items() if k != "seed"}}
+                    "settings": {k: v for k, v in setup["settings"].items()
+                                 if k != "seed" and not (k in UNWATCHED_HELPER and v == 0.0)}}
     return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
 
 
@@ -205,6 +209,8 @@ class Summary:
     recovered_problems: int | None = None  # the problems kvrescue, bon and full all ran, which `recovered` counts
     base_token_ratio: float | None = None  # kvrescue rows: base tokens / the matching bon row's
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
+    helper_kills: float | None = None  # helper candidates killed per problem, where the detector watched the helper
+    fallbacks: int | None = None  # rounds whose candidates all died (committed the least degenerate), summed
 
     @property
     def budget_kv_bytes(self) -> float | None:
@@ -234,6 +240,7 @@ def summarize(key: ConfigKey, rows: list[dict]) -> Summary:
     base_tokens = sum(tokens(r, "base") for r in rows)
     helper_tokens = sum(tokens(r, "helper") for r in rows)
     steps_from: dict[str, int] = {}
+    watched = any(watches_helper(r) for r in rows)
     for r in rows:
         for side, count in (r.get("steps_from") or {}).items():
             steps_from[side] = steps_from.get(side, 0) + int(count or 0)
@@ -251,7 +258,14 @@ def summarize(key: ConfigKey, rows: list[dict]) -> Summary:
         orchestration_s=_mean(timing(r, "orchestration") for r in rows), total_s=total_time / n,
         base_tok_s=base_tokens / base_llama if base_llama > 0 else None,
         helper_tok_s=helper_tokens / helper_llama if helper_llama > 0 else None,
-        steps_from=steps_from, setup=rows[0].get("setup") if key.setup else None)
+        steps_from=steps_from, setup=rows[0].get("setup") if key.setup else None,
+        helper_kills=_mean(int(r.get("helper_killed") or 0) for r in rows) if watched else None,
+        fallbacks=sum(int(r.get("fallbacks") or 0) for r in rows) if watched else None)
+
+
+def watches_helper(row: dict) -> bool:
+    """The detector watched the row's helper candidates."""
+    return float(row["config"].get("helper_tau_compression") or 0.0) > 0
 
 
 def accuracy_recovered(kvrescue: float, bon: float, full: float) -> float | None:
@@ -424,6 +438,21 @@ def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int =
                          policy=chosen.policy, weights=chosen.weights, kv_cache=chosen.kv_cache,
                          helper_kv_cache=chosen.helper_kv_cache)
         if random is not None and (c := compare(groups, chosen, random, rng, draws)):
+            out.append(c)
+    return out
+
+
+def rule_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
+                     seed: int = 0) -> list[PairedComparison]:
+    """Each KV-Rescue configuration committing by a rule other than the PRM's favourite or a random draw (a) against
+    evicted best-of-N (b) at its budget, N and policy."""
+    groups = group_rows(rows, pool_setups)
+    rng = np.random.default_rng(seed)
+    out = []
+    for ruled in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice not in ("prm", "random")):
+        bon = partner(groups, ruled, mode=Mode.BON, budget=ruled.budget, policy=ruled.policy, weights=ruled.weights,
+                      kv_cache=ruled.kv_cache)
+        if bon is not None and (c := compare(groups, ruled, bon, rng, draws)):
             out.append(c)
     return out
 

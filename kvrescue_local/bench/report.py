@@ -28,6 +28,7 @@ from pathlib import Path
 from ..errors import KVRescueError
 from ..files import check_input_file, decompressed
 from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, choice_comparisons, config_key, oracles,
+                      rule_comparisons,
                       setup_comparisons, setup_notes, summaries)
 from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
@@ -183,6 +184,8 @@ def table2(items: list[Summary]) -> Table:
     headers = _config_headers(with_dataset, with_setup, quant) + ["problems", "pass@1 %", "degen %", "cap %", "base tok",
                                                            "steps", "helper steps %", "early exit %", "helper tok",
                                                            "prob/min", "PRM s", "recovered %"]
+    watched = any(s.helper_kills is not None for s in items)  # the helper's kills, where a detector watched it
+    headers += ["helper kills", "fallbacks"] if watched else []
     rows = []
     for s in items:
         rows.append(_config_cells(s, with_dataset, with_setup, quant) + [
@@ -190,11 +193,13 @@ def table2(items: list[Summary]) -> Table:
             fmt(s.base_tokens, 0) if s.key.uses_base else "-", fmt(s.steps), fmt(s.helper_step_share),
             fmt(s.early_exit),
             fmt(s.helper_tokens, 0) if s.key.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
-            fmt(s.recovered)])
-    align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * 12
+            fmt(s.recovered)] + ([fmt(s.helper_kills), "-" if s.fallbacks is None else str(s.fallbacks)] if watched else []))
+    align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * (14 if watched else 12)
     notes = setups + ["degen %: wrong and >= 256 committed steps (or the step cap, if lower), among all trajectories; "
              "cap %: stopped by the token or step cap; helper steps %: of the committed steps, the helper's; "
              "early exit %: killed / all base candidates; "
+             + ("helper kills: helper candidates killed per problem, where the detector watched the helper; fallbacks: "
+                "rounds whose candidates all died, committing the least degenerate (summed); " if watched else "") +
              "recovered %: (kvrescue - bon) / (full - bon) pass@1 at the same budget and N, on the problems all three "
              "ran (full: at the smallest N run when not at that N, named below); tokens and seconds are "
              "means per problem; prob/min = problems / summed wall time."]
@@ -234,6 +239,8 @@ def comparison_notes(rows: list[dict], pool_setups: bool) -> list[str]:
         gap = "" if o.gap_closed is None else f": it closes {o.gap_closed:.0f}% of the gap eviction opens"
         notes.append(f"oracle pick, {o.bon.label} or helper n{o.bon.n}, on the {o.problems} problems both ran: "
                      f"{fmt(o.oracle_pass1)}% (evicted {fmt(o.bon_pass1)}%, helper {fmt(o.helper_pass1)}%{full}){gap}")
+    for c in rule_comparisons(rows, pool_setups):
+        notes.append(f"{c.a.label} vs {c.b.label}, on the {c.problems} problems both ran: {paired_text(c)}")
     choices = choice_comparisons(rows, pool_setups)
     for c in choices:
         twice = sum(other.a.label == c.a.label for other in choices) > 1  # told apart by their setups

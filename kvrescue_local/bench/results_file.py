@@ -35,10 +35,11 @@ from ..errors import KVRescueError
 from ..files import check_input_file, decompressed, results_target, same_file
 from ..prm import head_path
 from ..rescue import RescueConfig
+from ..rescue.config import SOME_SETTINGS
 
 ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
-SOME_CONFIGURATIONS = ("pick_margin",)  # settings only configurations they matter to record: compared where both do
+SOME_CONFIGURATIONS = SOME_SETTINGS  # settings only configurations they matter to record: compared where both do
 NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "prompt", "n_gpu_layers", "n_threads", "flash_attn", "n_batch",
                 "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v", "helper_cache_type_k",
                 "helper_cache_type_v")
@@ -158,11 +159,16 @@ def parse_row(raw: bytes) -> dict | None:
 def upgrade(row: dict) -> dict:
     """A row as this version writes it: rows from before KV cache types were sweep axes recorded one `kv_type` for
     both sides among their settings, which becomes their axes' cache labels; rows from before the pick's margin
-    was a setting picked the PRM's favourite (margin 0)."""
+    was a setting picked the PRM's favourite (margin 0), and KV-Rescue rows from before the helper's thresholds were
+    settings did not watch the helper (0 and 0)."""
     config, settings_ = row.get("config"), (row.get("setup") or {}).get("settings") or {}
     if isinstance(config, dict) and settings_ and picked_by_prm(config):
         settings_.setdefault("pick_margin", 0.0)
         config.setdefault("pick_margin", 0.0)
+    if isinstance(config, dict) and settings_ and config.get("mode") == "kvrescue":  # the helper was not watched
+        for name in ("helper_tau_entropy", "helper_tau_compression"):
+            settings_.setdefault(name, 0.0)
+            config.setdefault(name, 0.0)
     old = settings_.pop("kv_type", None)
     if isinstance(config, dict):
         old = config.pop("kv_type", old)
@@ -243,11 +249,11 @@ def model_fingerprint(path: str | Path, head: str | Path | None = None) -> dict:
 
 
 def settings(config: RescueConfig) -> dict:
-    """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes (the
-    pick's margin only where a PRM picks)."""
+    """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes (a
+    commit rule's parameters only where a PRM scores for that rule)."""
     flat = {**dataclasses.asdict(config.kv), **dataclasses.asdict(config.detector), **dataclasses.asdict(config)}
-    return {k: v for k, v in sorted(flat.items())
-            if k not in NOT_SETTINGS and (k != "pick_margin" or config.needs_prm)}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(flat.items())
+            if k not in NOT_SETTINGS and (k not in SOME_CONFIGURATIONS or config.records(k))}
 
 
 def setup(config: RescueConfig, model_files: dict[str, Path | None], prm_head: Path | None = None) -> dict:

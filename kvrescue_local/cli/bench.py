@@ -17,7 +17,7 @@ from ..runtime.context import check_cache_types
 from .models import quantized_with_progress
 from ..files import check_appendable, check_writable
 from ..rescue import MODES, Mode, longest_prompt
-from ..rescue.config import CHOICES
+from ..rescue.config import CHOICES, SCORED_CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_prompts_fit,
                              largest_fitting, models_kv_memory)
 from .common import DEFAULTS, name_list, note, parse_size, search_options
@@ -38,7 +38,8 @@ def bench() -> None:
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
 @click.option("--limit", type=POSITIVE, help="first LIMIT problems only")
 @click.option("--split", type=click.Choice(["train", "eval"]),
-              help="only the problems of a fixed split (gsm8k: ids 0-899 train, 900-1318 eval)")
+              help="only the problems of a fixed split (gsm8k: ids 0-899 train, 900-1318 eval; math500: positions "
+                   "250-499 train, 0-99 eval, 100-249 in neither)")
 @click.option("--modes", default="full,bon,kvrescue", show_default=True, help=f"comma-separated: {', '.join(MODES)}")
 @click.option("--budgets", type=IntList(), default=str(DEFAULTS.kv.budget), show_default=True, help="comma-separated base KV budgets")
 @click.option("--ns", type=IntList(), default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
@@ -79,7 +80,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     choices = name_list(choices, CHOICES, "choice")
     most_sides = max(m.sides for m in modes)
     selection = select_models(options, needs_base, needs_helper,
-                              needs_prm=most_sides * max(ns) > 1 and "prm" in choices, note=note)
+                              needs_prm=most_sides * max(ns) > 1 and bool(set(choices) & set(SCORED_CHOICES)), note=note)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
     caches = cache_axis(cache_types, template, options)
     base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}

@@ -72,12 +72,21 @@ SEARCH_OPTIONS = [
     click.option("--pick-margin", type=Finite(0, 1, high_open=True),
                  help="the PRM's pick: the first survivor (the base's candidates, then the helper's) within this of the "
                       f"best score {preset_default(DEFAULTS.pick_margin)}"),
+    click.option("--helper-margin", type=Finite(0, 1),
+                 help="--choice base-first: the helper's step is committed over the base's only when the PRM scores it "
+                      f"more than this higher, or no base candidate survives {preset_default(DEFAULTS.helper_margin)}"),
     click.option("--tau-entropy", type=Finite(0),
                  help="detector: mean entropy (nats) above which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_entropy)}"),
     click.option("--tau-compression", type=Finite(0),
                  help=f"detector: zstd ratio below which a base candidate dies "
                       f"{preset_default(DEFAULTS.detector.tau_compression)}"),
+    click.option("--helper-tau-entropy", type=Finite(0),
+                 help="detector: mean entropy (nats) above which a helper candidate dies, with --helper-tau-compression "
+                      f"(0 and 0: the helper is not watched) {preset_default(DEFAULTS.helper_tau_entropy)}"),
+    click.option("--helper-tau-compression", type=Finite(0),
+                 help=f"detector: zstd ratio below which a helper candidate dies "
+                      f"{preset_default(DEFAULTS.helper_tau_compression)}"),
     click.option("--rpc", help="host:port[,host:port...]: offload the models' layers to these `kvrescue-local "
                                "rpc-server`s (every layer unless -ngl says how many; needs a build with --rpc)"),
     click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True,

@@ -11,7 +11,7 @@ from ..compose import model_facts, open_models, select_models
 from ..eviction import POLICY_HELP
 from ..files import check_writable, read_utf8
 from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
-from ..rescue.config import CHOICES
+from ..rescue.config import CHOICES, SCORED_CHOICES
 from ..rescue.limits import available_memory, check_context_sizes, check_problem, check_prompts_fit
 from .common import DEFAULTS, note, preset_default, search_options, write_json
 from .options import POSITIVE, PolicySpecs, check_cache_fit, check_kv_sizes, check_prm_ctx
@@ -54,7 +54,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)
     choice = options["choice"] or DEFAULTS.choice
     selection = select_models(options, mode.uses_base, mode.uses_helper,
-                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and choice == "prm",
+                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and choice in SCORED_CHOICES,
                               note=note)
     config = selection.config(options)
     check_prm_ctx(config, options["prm_ctx"])

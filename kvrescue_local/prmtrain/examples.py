@@ -40,7 +40,7 @@ def check_split(rows: list[dict], split: str, where: str) -> None:
     for row in rows:
         theirs = split_of(str(row.get("dataset")), str(row.get("id")))
         if split == "train" and theirs == "eval" or split == "eval" and theirs != "eval":
-            ranges = "; ".join(f"{d}: {', '.join(f'{s} ids {a}-{b - 1}' for s, (a, b) in parts.items())}"
+            ranges = "; ".join(f"{d}: {', '.join(f'{s} positions {a}-{b - 1}' for s, (a, b) in parts.items())}"
                                for d, parts in SPLITS.items())
             raise KVRescueError(f"{where}: {row.get('dataset')} problem {row.get('id')} is "
                                 f"{'an evaluation' if theirs == 'eval' else 'not an evaluation'} problem, and "

@@ -7,6 +7,7 @@ The dataclass defaults are the project's defaults: the command line takes its de
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 
 from ..detect import DetectorParams
@@ -17,7 +18,14 @@ from ..runtime import DEFAULT_FLASH_ATTN
 from ..runtime.context import check_cache_types
 from .record import Mode
 
-CHOICES = ("prm", "random")  # how a round's winner is chosen among its survivors
+# how a round's winner is chosen among its survivors: the PRM's favourite; at random (what the PRM's choice is worth);
+# the base's favourite unless the PRM prefers the helper's by more than helper_margin ("base-first"); the survivor
+# most probably right by each source's calibrated reward ("calibrated")
+CHOICES = ("prm", "random", "base-first", "calibrated")
+SCORED_CHOICES = ("prm", "base-first", "calibrated")  # the choices a PRM scores the survivors for
+RULE_SETTINGS = {"pick_margin": ("prm", "base-first"), "helper_margin": ("base-first",), "calibration": ("calibrated",)}
+SOME_SETTINGS = (*RULE_SETTINGS, "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
+IDENTITY_CALIBRATION = (1.0, 0.0, 1.0, 0.0)  # base slope, base bias, helper slope, helper bias: P = sigmoid(slope·r + bias)
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
 QWEN_MATH_COT = QWEN_MATH_CHAT  # the real presets' chat format (Qwen2.5-Math's chain-of-thought prompt)
 PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
@@ -58,9 +66,24 @@ class RescueConfig:
     # helper's), whose score is within pick_margin of the best; 0: the best. A margin above the layout noise makes
     # the pick of near-equal steps independent of what shared their decodes (docs/prm.md)
     pick_margin: float = 0.0
+    # with choice "base-first": the helper's best survivor is committed over the base's best only when its reward is
+    # higher by more than this (or no base candidate survives); 1: only then, as a reward lies in [0, 1]
+    helper_margin: float = 1.0
+    # with choice "calibrated": each source's reward r mapped to P(step right) = sigmoid(slope·r + bias), fitted on
+    # the labelled steps of training problems (rescue/calibration.py), as IDENTITY_CALIBRATION's four numbers
+    calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
+    # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
+    # helper is not watched, the default, as in every row written before these settings. A round whose candidates
+    # all die commits the least degenerate (Step.fallback)
+    helper_tau_entropy: float = 0.0
+    helper_tau_compression: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
+        object.__setattr__(self, "calibration", tuple(float(x) for x in self.calibration))
+        if len(self.calibration) != 4 or not all(math.isfinite(x) for x in self.calibration):
+            raise KVRescueError(f"calibration takes four finite numbers (base slope, base bias, helper slope, helper "
+                                f"bias), not {self.calibration}: refit it with perf/fit_commit.py")
         if self.n < 1:
             raise KVRescueError(f"N must be at least 1 (got {self.n}): it is the number of candidates per model per round")
         if self.candidates_per_round >= LLAMA_MAX_SEQ:
@@ -71,12 +94,34 @@ class RescueConfig:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
         if not 0 <= self.pick_margin < 1:
             raise KVRescueError(f"--pick-margin must be in [0, 1), a difference of rewards (got {self.pick_margin})")
+        if (self.helper_tau_entropy, self.helper_tau_compression) != (0.0, 0.0):  # used in kvrescue mode only
+            if self.helper_tau_entropy <= 0 or not 0 < self.helper_tau_compression < 1.5:
+                raise KVRescueError(f"the helper's detector takes both thresholds: --helper-tau-entropy > 0 (nats) and "
+                                    f"--helper-tau-compression in (0, 1.5) (got {self.helper_tau_entropy}, "
+                                    f"{self.helper_tau_compression}); 0 and 0 leave the helper unwatched")
+        if not 0 <= self.helper_margin <= 1:
+            raise KVRescueError(f"--helper-margin must be in [0, 1], a difference of rewards (got {self.helper_margin})")
         if self.choice not in CHOICES:
             raise KVRescueError(f"unknown choice {self.choice!r}: use one of {', '.join(CHOICES)}")
         if "{problem}" not in self.prompt:
             raise KVRescueError("the prompt template must contain {problem}")
         check_cache_types(self.cache_type_k, self.cache_type_v, self.flash_attn, "-ctk", "-ctv")
         check_cache_types(self.helper_cache_type_k, self.helper_cache_type_v, self.flash_attn, "-ctkh", "-ctvh")
+
+    @property
+    def helper_detector(self) -> DetectorParams | None:
+        """The detector's settings for the helper's candidates; None when the helper is not watched."""
+        if (self.helper_tau_entropy, self.helper_tau_compression) == (0.0, 0.0):
+            return None
+        return dataclasses.replace(self.detector, tau_entropy=self.helper_tau_entropy,
+                                   tau_compression=self.helper_tau_compression)
+
+    def records(self, setting: str) -> bool:
+        """Whether rows of this configuration record a setting that only some configurations use (SOME_SETTINGS):
+        a rule's parameters where a PRM scores for that rule, the helper's thresholds where a detector runs."""
+        if setting in ("helper_tau_entropy", "helper_tau_compression"):
+            return self.mode.detects
+        return self.needs_prm and self.choice in RULE_SETTINGS[setting]
 
     def cache_types(self, side: str) -> tuple[str, str]:
         """(K, V) cache types of a side's contexts ("base" or "helper")."""
@@ -103,7 +148,7 @@ class RescueConfig:
     @property
     def needs_prm(self) -> bool:
         """A PRM chooses: rounds have more than one candidate and the choice is the PRM's."""
-        return self.candidates_per_round > 1 and self.choice == "prm"
+        return self.candidates_per_round > 1 and self.choice in SCORED_CHOICES
 
     def full_context(self, prompt_tokens: int) -> int:
         """Cells of a context that never evicts (the helper, the full-KV base): the prompt, the whole
@@ -147,6 +192,7 @@ class RescueConfig:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["mode"] = self.mode.value
+        out["calibration"] = list(self.calibration)  # as JSON reads it back
         return out
 
     def with_overrides(self, overrides: dict) -> RescueConfig:

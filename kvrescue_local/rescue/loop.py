@@ -16,6 +16,7 @@ text, the round, the side and the candidate, so a trajectory does not depend on 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -79,17 +80,57 @@ def problem_key(problem: str) -> int:
 
 
 def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: int, seed: int | None = None) -> Draft:
-    """The round's winner: the PRM's favourite, or the first survivor within config.pick_margin of it (a lone
-    survivor is unscored), or with choice "random" one drawn by a seed of the run's seed (`seed`, else the
-    config's), the problem's key and the round (reproducible, and not the same draw on every problem)."""
+    """The round's winner by config.choice (a lone survivor is unscored): "prm", the PRM's favourite, or the first
+    survivor within config.pick_margin of it; "random", one drawn by a seed of the run's seed (`seed`, else the
+    config's), the problem's key and the round (reproducible, and not the same draw on every problem);
+    "base-first" and "calibrated", see base_first and most_probable."""
     if config.choice == "random":
         rng = np.random.default_rng([config.seed if seed is None else seed, key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
-    scores = [c.score if c.score is not None else 0.0 for c in survivors]
-    best = max(scores)
-    if config.pick_margin == 0:
-        return survivors[scores.index(best)]
-    return next(c for c, score in zip(survivors, scores) if score >= best - config.pick_margin)
+    if config.choice == "base-first":
+        return base_first(survivors, config)
+    if config.choice == "calibrated":
+        return most_probable(survivors, config.calibration)
+    return favourite(survivors, config.pick_margin)
+
+
+def reward(draft: Draft) -> float:
+    return draft.score if draft.score is not None else 0.0
+
+
+def favourite(survivors: list[Draft], pick_margin: float) -> Draft:
+    """The best-scored survivor, or the first within pick_margin of it."""
+    best = max(reward(c) for c in survivors)
+    return next(c for c in survivors if reward(c) >= best - pick_margin)
+
+
+def base_first(survivors: list[Draft], config: RescueConfig) -> Draft:
+    """The base's favourite survivor, unless none survives or the helper's favourite scores more than
+    config.helper_margin above it: with one base candidate a round, no kill and the margin never exceeded, the
+    trajectory is evicted best-of-N's (the base's seeds and sequences are the same in both modes)."""
+    base = [c for c in survivors if c.side == "base"]
+    helper = [c for c in survivors if c.side != "base"]
+    if not base or not helper:
+        return favourite(base or helper, config.pick_margin)
+    ours, theirs = favourite(base, config.pick_margin), favourite(helper, config.pick_margin)
+    return theirs if reward(theirs) - reward(ours) > config.helper_margin else ours
+
+
+def calibrated(calibration: tuple[float, ...], side: str, value: float) -> float:
+    """P(step right) of a reward of `side`'s step under a calibration (RescueConfig.calibration)."""
+    slope, bias = calibration[:2] if side == "base" else calibration[2:]
+    return 1 / (1 + math.exp(-(slope * value + bias)))
+
+
+def most_probable(survivors: list[Draft], calibration: tuple[float, float, float, float]) -> Draft:
+    """The survivor most probably right: its reward mapped through its source's calibration (the first on a tie)."""
+    return max(survivors, key=lambda c: calibrated(calibration, c.side, reward(c)))
+
+
+def least_degenerate(killed: list[Draft]) -> Draft:
+    """Of a round's candidates, all killed, the one whose text repeated least (the highest zstd ratio it reached),
+    then the least uncertain: the trajectory goes on from it rather than stopping."""
+    return max(killed, key=lambda c: (c.monitor.min_compression, -c.monitor.max_mean_entropy))
 
 
 def own_failure(exc: Exception) -> str:
@@ -173,6 +214,7 @@ class Rescue:
                                              scores=scores, **common)
         self.scorer = HelperJudge(self.sides["helper"], judge.format, judge.head) if in_helper else self.prm
         self.detector = Detector(config.detector) if config.mode.detects else None
+        self.helper_detector = Detector(config.helper_detector) if config.mode.detects and config.helper_detector else None
         self.prompt_tokens_max = prompt_tokens_max
 
     def solve(self, problem: str, on_step: Callable[[Step], None] | None = None) -> Trajectory:
@@ -254,7 +296,7 @@ class Rescue:
             s.drafts = []
         for side_index, (name, gen) in enumerate(self.sides.items()):
             requests = [Request(s.slot, (s.key, s.round, side_index), s.tail, s.seed) for s in flying]
-            drafts = gen.propose(requests, self.detector if name == "base" else None)
+            drafts = gen.propose(requests, self.detector if name == "base" else self.helper_detector)
             for s in flying:
                 s.drafts += drafts[s.slot]
         self.score([s for s in flying if sum(not c.killed for c in s.drafts) > 1])
@@ -304,11 +346,9 @@ class Rescue:
         """Commit the problem's winner of this round; True when the problem is finished."""
         traj = s.trajectory
         survivors = [c for c in s.drafts if not c.killed]
-        if not survivors:
-            traj.stop = "all_killed"
-            return True
-        winner = choose(survivors, self.config, s.key, s.round, s.seed)
-        step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts])
+        winner = choose(survivors, self.config, s.key, s.round, s.seed) if survivors else least_degenerate(s.drafts)
+        step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts],
+                    fallback=not survivors)
         traj.steps.append(step)
         traj.tokens["committed"] += len(winner.tokens)
         s.round += 1

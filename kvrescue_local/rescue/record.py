@@ -118,21 +118,26 @@ class Step:
     score: float | None
     finished: str | None
     candidates: list[Candidate] = field(default_factory=list)
+    fallback: bool = False  # every candidate was killed: this is the least degenerate of them
 
     @property
     def killed(self) -> int:
         return sum(c.killed for c in self.candidates)
 
     def to_json(self) -> dict:
-        return {"round": self.round, "text": self.text, "source": self.source, "score": self.score,
-                "finished": self.finished, "candidates": [c.to_json() for c in self.candidates]}
+        out = {"round": self.round, "text": self.text, "source": self.source, "score": self.score,
+               "finished": self.finished, "candidates": [c.to_json() for c in self.candidates]}
+        if self.fallback:
+            out["fallback"] = True
+        return out
 
     @classmethod
     def from_json(cls, data, where: str) -> Step:
         if not isinstance(data, dict) or not isinstance(data.get("candidates", []), list):
             raise _not_a_record(where, "not a step record")
         return cls(data.get("round", 0), str(data.get("text", "")), str(data.get("source", "?")), data.get("score"),
-                   data.get("finished"), [Candidate.from_json(c, where) for c in data.get("candidates", [])])
+                   data.get("finished"), [Candidate.from_json(c, where) for c in data.get("candidates", [])],
+                   bool(data.get("fallback", False)))
 
 
 @dataclass
@@ -142,7 +147,8 @@ class Trajectory:
     problem: str
     config: dict
     steps: list[Step] = field(default_factory=list)
-    stop: str = ""  # "eos", "all_killed", or a length cap (LENGTH_CAPS)
+    stop: str = ""  # "eos" or a length cap (LENGTH_CAPS); "all_killed" in records from before a round whose
+    # candidates all died fell back to the least degenerate
     answer: str | None = None
     tokens: dict = field(default_factory=lambda: {"base": 0, "helper": 0, "committed": 0})
     base_cells: list[dict] = field(default_factory=list)  # per step: cells of the committed base sequence, peak
@@ -170,6 +176,16 @@ class Trajectory:
     @property
     def killed(self) -> int:
         return sum(c.killed for c in self.base_candidates)
+
+    @property
+    def helper_killed(self) -> int:
+        """Helper candidates the detector killed (when it watched the helper)."""
+        return sum(c.killed for s in self.steps for c in s.candidates if c.side == "helper")
+
+    @property
+    def fallbacks(self) -> int:
+        """Rounds whose candidates all died, and that committed the least degenerate."""
+        return sum(s.fallback for s in self.steps)
 
     @property
     def early_exit_fraction(self) -> float:

@@ -1,0 +1,127 @@
+"""Commit rules (`--choice base-first | calibrated`): the picks, their parameters recorded only where they matter,
+fitted on training problems only and stored with a preset; MATH500's split kept."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvrescue_local.bench.datasets import load_dataset, split_of
+from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.cli import main
+from kvrescue_local.errors import KVRescueError
+from kvrescue_local.presets import preset_spec
+from kvrescue_local.prmtrain.commit import fit
+from kvrescue_local.rescue import RescueConfig
+from kvrescue_local.rescue.generator import Draft
+from kvrescue_local.rescue.loop import choose
+
+
+def drafts(*pairs):
+    return [Draft(side, i, -1, score=score) for i, (side, score) in enumerate(pairs)]
+
+
+def test_base_first_commits_the_base_unless_none_survives_or_the_helper_wins_by_the_margin():
+    config = RescueConfig(n=2, choice="base-first", helper_margin=0.05)
+    round_ = drafts(("base", 0.40), ("base", 0.50), ("helper", 0.54), ("helper", 0.30))
+    assert choose(round_, config, 0, 0) is round_[1], "the helper's best is 0.04 above: within the margin"
+    round_[3].score = 0.56
+    assert choose(round_, config, 0, 0) is round_[3], "0.06 above the base's best: over the margin"
+    assert choose(round_[2:], config, 0, 0) is round_[3], "no base candidate survives"
+    assert choose(round_, RescueConfig(n=2, choice="base-first", helper_margin=1.0), 0, 0) is round_[1]
+    assert choose(round_, RescueConfig(n=2, choice="prm"), 0, 0) is round_[3]
+    with pytest.raises(KVRescueError, match="--helper-margin must be in"):
+        RescueConfig(helper_margin=1.5)
+
+
+def test_the_calibrated_rule_picks_the_survivor_most_probably_right():
+    round_ = drafts(("base", 0.50), ("helper", 0.60))
+    # the helper's rewards run high: its 0.60 is less probably right than the base's 0.50
+    calibrated = RescueConfig(n=1, choice="calibrated", calibration=(4.0, 0.0, 4.0, -1.0))
+    assert choose(round_, calibrated, 0, 0) is round_[0]
+    assert choose(round_, RescueConfig(n=1, choice="calibrated"), 0, 0) is round_[1], "the identity: the favourite"
+    with pytest.raises(KVRescueError, match="four finite numbers"):
+        RescueConfig(calibration=(1.0, 0.0))
+
+
+def test_math500_train_and_eval_positions_are_disjoint_and_100_to_249_in_neither():
+    train, evaluation = load_dataset("math500", split="train"), load_dataset("math500", split="eval")
+    everything = load_dataset("math500").problems
+    assert [p.id for p in train.problems] == [p.id for p in everything[250:]]
+    assert [p.id for p in evaluation.problems] == [p.id for p in everything[:100]]
+    assert not {p.id for p in train.problems} & {p.id for p in evaluation.problems}
+    assert {split_of("math500", p.id) for p in everything[100:250]} == {None}
+
+
+def row(problem_id, correct, rounds, mode="kvrescue"):
+    """A results row whose rounds are (committed source, base reward, helper reward)."""
+    steps = [{"round": i, "text": "x", "source": source, "score": base if source == "base" else helper,
+              "finished": "step", "candidates": [{"side": "base", "text": "x", "score": base, "finished": "step"},
+                                                 {"side": "helper", "text": "y", "score": helper, "finished": "step"}]}
+             for i, (source, base, helper) in enumerate(rounds)]
+    return {"dataset": "math500", "id": problem_id, "config_key": f"{mode}-b32-n1-rkv", "config": {"mode": mode},
+            "correct": correct, "trajectory": {"steps": steps, "config": {"mode": mode}}}
+
+
+def test_the_fit_reads_training_rows_only_and_learns_that_the_helper_misleads():
+    ids = [p.id for p in load_dataset("math500", split="train").problems]
+    rows = []
+    for i, problem_id in enumerate(ids[:40]):
+        helper_first = i % 2 == 0  # trajectories that committed the helper's confident steps end wrong
+        rounds = [("helper", 0.5, 0.7), ("base", 0.55, 0.5)] if helper_first else [("base", 0.5, 0.6), ("base", 0.6, 0.5)]
+        rows.append(row(problem_id, not helper_first, rounds))
+    fitted = fit(rows, "rows")
+    assert fitted.problems == 40 and fitted.rounds == 80 and fitted.steps == {"base": (60, 40), "helper": (20, 0)}
+    base_slope, base_bias, helper_slope, helper_bias = fitted.calibration
+    assert base_slope * 0.5 + base_bias > helper_slope * 0.7 + helper_bias, "the helper's high rewards mean less"
+    assert fitted.helper_margin > 0.2, "the base's step is kept over every helper step the training rounds saw"
+    evaluation = row(load_dataset("math500", split="eval").problems[0].id, True, [("base", 0.5, 0.6)])
+    with pytest.raises(KVRescueError, match="is an evaluation problem"):
+        fit([*rows, evaluation], "rows")
+    with pytest.raises(KVRescueError, match="all come from trajectories that ended wrong"):
+        fit([r for r in rows if not r["correct"]], "rows")
+
+
+def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(base_path, helper_path, tiny_prm_path,
+                                                                                tmp_path):
+    (tmp_path / "preset.json").write_text(json.dumps({"recipe": {"pick_margin": 0.005}}))
+    (tmp_path / "commit.json").write_text(json.dumps({"rule": {"helper_margin": 0.1, "calibration": [1, 0, 2, -1]},
+                                                      "fit": {"problems": 3}}))
+    recipe = preset_spec(tmp_path)["recipe"]
+    assert RescueConfig().with_overrides(recipe).calibration == (1.0, 0.0, 2.0, -1.0)
+    (tmp_path / "commit.json").write_text(json.dumps({"rule": {"margin": 0.1}}))
+    with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
+        preset_spec(tmp_path)
+    results = tmp_path / "rules.jsonl"
+    args = ["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--modes", "bon,kvrescue", "--budgets", "32",
+            "--buffer", "16", "--max-tokens", "40", "--max-step-tokens", "16", "--ns", "1", "--base", str(base_path),
+            "--helper", str(helper_path), "--prm", str(tiny_prm_path), "--results", str(results),
+            "--choice", "prm,base-first,calibrated,random", "--helper-margin", "0.2"]
+    ran = CliRunner().invoke(main, args)
+    assert ran.exit_code == 0, ran.output
+    settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
+    recorded = {key: {k for k in ("pick_margin", "helper_margin", "calibration") if k in s} for key, s in settings.items()}
+    assert recorded == {"bon-b32-n1-rkv": set(), "kvrescue-b32-n1-rkv": {"pick_margin"},
+                        "kvrescue-b32-n1-rkv-base-first": {"pick_margin", "helper_margin"},
+                        "kvrescue-b32-n1-rkv-calibrated": {"calibration"}, "kvrescue-b32-n1-rkv-random": set()}
+    assert settings["kvrescue-b32-n1-rkv-base-first"]["helper_margin"] == 0.2
+    report = CliRunner().invoke(main, ["report", str(results)])
+    assert report.exit_code == 0 and "kvrescue/base-first" in report.output, report.output
+    assert "kvrescue/base-first b32 n1 rkv vs bon b32 n1 rkv, on the 1 problems both ran" in report.output
+    assert "helper kills" not in report.output, "no row watched the helper: no such column"
+    watched = tmp_path / "watched.jsonl"
+    ran = CliRunner().invoke(main, [*args[:args.index("--results") + 1], str(watched), "--choice", "base-first",
+                                    "--helper-tau-entropy", "50", "--helper-tau-compression", "0.35"])
+    assert ran.exit_code == 0, ran.output
+    assert read_rows(watched)[-1]["setup"]["settings"]["helper_tau_compression"] == 0.35
+    assert "helper kills" in CliRunner().invoke(main, ["report", str(watched)]).output
+    resumed = CliRunner().invoke(main, [*args[:-1], "0.3", "--resume"])
+    assert resumed.exit_code != 0 and "helper_margin 0.2 vs 0.3" in resumed.output, resumed.output
+
+
+@pytest.mark.parametrize("choice", ["base-first", "calibrated"])
+def test_a_rule_that_reads_rewards_loads_the_presets_prm_when_none_is_given(base_path, helper_path, choice):
+    ran = CliRunner().invoke(main, ["solve", "--mode", "kvrescue", "-n", "1", "--budget", "32", "--buffer", "16",
+                                    "--max-tokens", "40", "--base", str(base_path), "--helper", str(helper_path),
+                                    "--choice", choice, "1+1?"])
+    assert ran.exit_code == 0, ran.output
