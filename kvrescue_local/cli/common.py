@@ -41,6 +41,15 @@ def cache_type_options(command):
 
 
 # Options left unset (None) take the preset's recipe, else RescueConfig's defaults (kvrescue_local/compose.py)
+def detector_options(prefix: str, side: str, tau_entropy, tau_compression, unwatched: str = "") -> list:
+    """--{prefix}tau-entropy and --{prefix}tau-compression: the detector's thresholds for one side's candidates."""
+    return [click.option(f"--{prefix}tau-entropy", type=Finite(0),
+                         help=f"detector: mean entropy (nats) above which a {side} candidate dies{unwatched} "
+                              f"{preset_default(tau_entropy)}"),
+            click.option(f"--{prefix}tau-compression", type=Finite(0),
+                         help=f"detector: zstd ratio below which a {side} candidate dies {preset_default(tau_compression)}")]
+
+
 SEARCH_OPTIONS = [
     click.option("--preset", default="toy", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
     click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
@@ -75,18 +84,9 @@ SEARCH_OPTIONS = [
     click.option("--helper-margin", type=Finite(0, 1),
                  help="--choice base-first: the helper's step is committed over the base's only when the PRM scores it "
                       f"more than this higher, or no base candidate survives {preset_default(DEFAULTS.helper_margin)}"),
-    click.option("--tau-entropy", type=Finite(0),
-                 help="detector: mean entropy (nats) above which a base candidate dies "
-                      f"{preset_default(DEFAULTS.detector.tau_entropy)}"),
-    click.option("--tau-compression", type=Finite(0),
-                 help=f"detector: zstd ratio below which a base candidate dies "
-                      f"{preset_default(DEFAULTS.detector.tau_compression)}"),
-    click.option("--helper-tau-entropy", type=Finite(0),
-                 help="detector: mean entropy (nats) above which a helper candidate dies, with --helper-tau-compression "
-                      f"(0 and 0: the helper is not watched) {preset_default(DEFAULTS.helper_tau_entropy)}"),
-    click.option("--helper-tau-compression", type=Finite(0),
-                 help=f"detector: zstd ratio below which a helper candidate dies "
-                      f"{preset_default(DEFAULTS.helper_tau_compression)}"),
+    *detector_options("", "base", DEFAULTS.detector.tau_entropy, DEFAULTS.detector.tau_compression),
+    *detector_options("helper-", "helper", DEFAULTS.helper_tau_entropy, DEFAULTS.helper_tau_compression,
+                      " (0 and 0: the helper is not watched)"),
     click.option("--rpc", help="host:port[,host:port...]: offload the models' layers to these `kvrescue-local "
                                "rpc-server`s (every layer unless -ngl says how many; needs a build with --rpc)"),
     click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True,
