@@ -98,7 +98,9 @@ def test_rpc_endpoints_are_checked():
 
 
 def test_rpc_server_on_a_build_without_rpc_is_one_error_line(tmp_path):
-    """The installed build's libraries without libggml-rpc (whether it had one or not)."""
+    """The installed build's libraries without libggml-rpc (whether it had one or not): a build without the RPC
+    backend is refused naming `patches/build.py --rpc`; a build whose libllama needs the missing library cannot
+    load at all, and says so naming `patches/build.py` (a traceback before)."""
     installed = Path(library_path()).parent
     for library in installed.iterdir():
         if not library.name.startswith("libggml-rpc"):
@@ -107,7 +109,9 @@ def test_rpc_server_on_a_build_without_rpc_is_one_error_line(tmp_path):
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "LLAMA_CPP_LIB_PATH": str(tmp_path)})
     (line,) = result.stderr.strip().splitlines()
-    assert result.returncode == 1 and line.startswith("Error:") and "patches/build.py --rpc" in line
+    assert result.returncode == 1 and line.startswith("Error:") and "patches/build.py" in line
+    needs_rpc = b"libggml-rpc.so.0" in (installed / "libggml.so.0").read_bytes()  # in its NEEDED entries
+    assert ("cannot be loaded" in line) if needs_rpc else ("patches/build.py --rpc" in line), line
 
 
 def test_llama_cpp_s_errors_reach_stderr_but_a_cuda_build_without_a_device_adds_no_line(capsys):

@@ -25,6 +25,8 @@ def llama():
         from llama_cpp import llama_cpp as low
     except ImportError as exc:
         raise KVRescueError(f"llama-cpp-python is not installed ({exc}); {REBUILD_HINT}") from None
+    except RuntimeError as exc:  # llama_cpp raises it when libllama or a library it needs cannot be loaded
+        raise KVRescueError(f"the llama.cpp library cannot be loaded ({exc}); {REBUILD_HINT}") from None
     interrupts.install()  # before llama.cpp calls back into Python
     low.llama_log_set(_quiet_log, None)
     low.llama_backend_init()
