@@ -143,7 +143,8 @@ def rpc(problem: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for name, extra in (("local", []), ("rpc", ["--rpc", f"127.0.0.1:{port}"])):
                 out = Path(tmp) / f"{name}.json"
-                subprocess.run(CLI + ["solve", problem, "--temp", "0", "-t", "1", "--json", str(out), *extra],
+                subprocess.run(CLI + ["solve", problem, "--mode", "kvrescue", "--budget", "48", "-n", "2", "--temp", "0", "-t", "1",
+                                "--json", str(out), *extra],
                                env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 record = json.loads(out.read_text())
                 seconds[name] = record["timings"]["total"]
@@ -151,7 +152,7 @@ def rpc(problem: str) -> None:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    print(f"rpc: greedy toy solve, loopback: local {seconds['local']:.3f} s, over RPC {seconds['rpc']:.3f} s, "
+    print(f"rpc: greedy toy solve (kvrescue, budget 48, N = 2), loopback: local {seconds['local']:.3f} s, over RPC {seconds['rpc']:.3f} s, "
           f"speed ratio {seconds['local'] / seconds['rpc']:.3f}; trajectories equal: {steps['local'] == steps['rpc']}")
 
 
