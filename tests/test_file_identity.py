@@ -311,6 +311,16 @@ def test_report_pairs_rows_of_one_id_only_when_their_problems_match(toy_results,
     assert "on the 1 problems both ran" in compared
 
 
+def test_a_row_from_before_fingerprints_pairs_by_id_with_a_fingerprinted_one(toy_results, tmp_path):
+    """Rows of a sweep that began before fingerprints were recorded compare with the rows a resumed or newer run
+    writes, as they did before: by id, where the newer rows of that id hold one fingerprint."""
+    rows = read_rows(toy_results)
+    other = [{**r, "setup": {**r["setup"], "settings": {**r["setup"]["settings"], "temperature": 1.5}}} for r in rows]
+    old = [{k: v for k, v in r.items() if k != "problem_sha256"} for r in rows]
+    compared = render(load_results(write(tmp_path / "a.jsonl", old + other)))
+    assert "on the 2 problems both ran" in compared
+
+
 def write(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

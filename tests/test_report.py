@@ -130,7 +130,8 @@ def test_tables_from_real_runs(runs, tmp_path):
     text = render(rows)
     t2 = table_lines(text, "Table 2: ablation")
     header, rule, *body = t2
-    assert header.split()[:4] == ["mode", "budget", "N", "policy"] and len(body) == 3 + 1  # + the note
+    assert header.split()[:4] == ["mode", "budget", "N", "policy"] and len(body) == 3 + 2  # + the note, the pairing
+    assert " vs bon " in body[-1] and "paired bootstrap interval" in body[-1]  # KV-Rescue against best-of-N
     data = body[:3]
     assert all(len(line) == len(rule) for line in data), "right-aligned columns end together"
     kv_line = next(line for line in data if line.startswith("kvrescue"))

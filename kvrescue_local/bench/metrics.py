@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -307,12 +308,13 @@ def summaries(rows: list[dict], pool_setups: bool = False) -> list[Summary]:
 def recover(s: Summary, kvrescue: list[dict], bon: list[dict], full: list[dict]) -> None:
     """The accuracy recovered and the base-token ratio, on the problems all three configurations ran (a sweep
     in progress has more rows of some than of others)."""
-    correct = [correct_by_problem(rows) for rows in (kvrescue, bon, full)]
+    key = problem_keys(kvrescue, bon, full)
+    correct = [correct_by_problem(rows, key) for rows in (kvrescue, bon, full)]
     common = set.intersection(*(set(c) for c in correct))
     if not common:
         return
     accuracy = [100.0 * sum(c[i] for i in common) / len(common) for c in correct]
-    base_tokens = [sum(float(r["tokens"].get("base") or 0.0) for r in rows if problem_of(r) in common)
+    base_tokens = [sum(float(r["tokens"].get("base") or 0.0) for r in rows if key(r) in common)
                    for rows in (kvrescue, bon)]
     s.recovered = accuracy_recovered(*accuracy)
     s.recovered_problems = len(common)
@@ -359,17 +361,36 @@ class Oracle:
 
 def problem_of(row: dict) -> tuple[str, str]:
     """What rows are paired by: the problem's id and, where recorded, the fingerprint of its text and gold answer
-    (rows of one id that solved different text are not the same problem; rows from before fingerprints pair by id)."""
+    (rows of one id that solved different text are not the same problem)."""
     return str(row["id"]), row.get("problem_sha256") or ""
 
 
-def correct_by_problem(rows: list[dict]) -> dict[tuple[str, str], bool]:
-    return {problem_of(r): bool(r["correct"]) for r in rows}
+def problem_keys(*row_lists: list[dict]) -> Callable[[dict], tuple[str, str]]:
+    """problem_of for rows compared with each other, where a row from before fingerprints were recorded takes the
+    one fingerprint the compared rows of its id hold: it pairs with them by id, as it did before, unless they
+    solved texts of more than one fingerprint."""
+    seen: dict[str, set[str]] = {}
+    for rows in row_lists:
+        for row in rows:
+            if row.get("problem_sha256"):
+                seen.setdefault(str(row["id"]), set()).add(row["problem_sha256"])
+
+    def key(row: dict) -> tuple[str, str]:
+        problem, fingerprint = problem_of(row)
+        known = seen.get(problem, set())
+        return (problem, next(iter(known))) if not fingerprint and len(known) == 1 else (problem, fingerprint)
+
+    return key
+
+
+def correct_by_problem(rows: list[dict], key: Callable[[dict], tuple[str, str]] = problem_of) -> dict[tuple[str, str], bool]:
+    return {key(r): bool(r["correct"]) for r in rows}
 
 
 def paired(groups: dict[ConfigKey, list[dict]], a: ConfigKey, b: ConfigKey) -> tuple[dict, dict, list[tuple[str, str]]]:
     """Each configuration's correctness by problem (problem_of), and the problems both ran."""
-    x, y = correct_by_problem(groups[a]), correct_by_problem(groups[b])
+    key = problem_keys(groups[a], groups[b])
+    x, y = correct_by_problem(groups[a], key), correct_by_problem(groups[b], key)
     return x, y, sorted(set(x) & set(y))
 
 
@@ -392,7 +413,7 @@ def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
         b, h, common = paired(groups, bon, helper)
         if not common:
             continue
-        f = correct_by_problem(groups[full]) if full else {}
+        f = correct_by_problem(groups[full], problem_keys(groups[bon], groups[helper], groups[full])) if full else {}
         pct = lambda flags: 100.0 * sum(flags) / len(common)  # noqa: E731
         oracle = pct(b[i] or h[i] for i in common)
         full_pass1 = pct(f[i] for i in common) if all(i in f for i in common) else None
@@ -444,12 +465,12 @@ def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int =
 
 def rule_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                      seed: int = 0) -> list[PairedComparison]:
-    """Each KV-Rescue configuration committing by a rule other than the PRM's favourite or a random draw (a) against
-    evicted best-of-N (b) at its budget, N and policy."""
+    """Each KV-Rescue configuration committing by a rule, the PRM's favourite included, not by a random draw (a)
+    against evicted best-of-N (b) at its budget, N and policy."""
     groups = group_rows(rows, pool_setups)
     rng = np.random.default_rng(seed)
     out = []
-    for ruled in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice not in ("prm", "random")):
+    for ruled in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice != "random"):
         bon = partner(groups, ruled, mode=Mode.BON, budget=ruled.budget, policy=ruled.policy, weights=ruled.weights,
                       kv_cache=ruled.kv_cache)
         if bon is not None and (c := compare(groups, ruled, bon, rng, draws)):
