@@ -3,7 +3,6 @@
 import ctypes
 import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from kvrescue_local.gguf_header import index_end
 from kvrescue_local.cli import main
 from kvrescue_local.runtime import Context, ContextParams, Model
 from kvrescue_local.runtime.context import CACHE_TYPES, kv_bytes_per_cell
-from kvrescue_local.runtime.lib import library_path
+from kvrescue_local.runtime.lib import loaded_library
 
 TOY = "a=7 b=4 c=5 d=9 e=6 f=2 g=8 h=3\nCompute 4 terms: a+d-c+g."
 
@@ -159,7 +158,7 @@ def test_the_coder_helper_is_the_pulled_0_5b_at_f16_made_once_and_the_prm_reads_
 
 
 def test_cache_type_sizes_are_ggml_s():
-    ggml = ctypes.CDLL(str(Path(library_path()).with_name("libggml.so")))
+    ggml = ctypes.CDLL(str(loaded_library("libggml-base")))  # the copy already loaded, not a second one
     ggml.ggml_type_size.restype = ctypes.c_size_t
     ggml.ggml_blck_size.restype = ctypes.c_int64
     for name, kind in CACHE_TYPES.items():
