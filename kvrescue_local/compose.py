@@ -37,8 +37,8 @@ OPTION_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
     "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
     "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "choice": "choice",
-    "pick_margin": "pick_margin", "helper_margin": "helper_margin", "helper_tau_entropy": "helper_tau_entropy",
-    "helper_tau_compression": "helper_tau_compression",
+    "pick_margin": "pick_margin", "helper_margin": "helper_margin", "judge_max_budget": "judge_max_budget",
+    "helper_tau_entropy": "helper_tau_entropy", "helper_tau_compression": "helper_tau_compression",
     "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
     "cache_type_k_helper": "helper_cache_type_k", "cache_type_v_helper": "helper_cache_type_v",
 }
@@ -62,12 +62,13 @@ def option_overrides(options: dict) -> dict:
     return out
 
 
-def preset_config(preset: Preset | None, **overrides) -> RescueConfig:
-    """RescueConfig's defaults, then the preset's prompt and recipe, then `overrides` (fields; kv and detector
-    as dicts)."""
+def preset_config(preset: Preset | None, dataset: str | None = None, **overrides) -> RescueConfig:
+    """RescueConfig's defaults, then the preset's prompt and recipe (with what it holds for `dataset`'s problems laid
+    over it), then `overrides` (fields; kv and detector as dicts)."""
     config = RescueConfig()
     if preset is not None:
-        config = config.with_overrides({**preset.recipe, **({"prompt": preset.prompt} if preset.prompt else {})})
+        recipe = merged(preset.recipe, preset.dataset_recipes.get(dataset, {}) if dataset else {})
+        config = config.with_overrides({**recipe, **({"prompt": preset.prompt} if preset.prompt else {})})
     return config.with_overrides(overrides)
 
 
@@ -89,8 +90,8 @@ class Selection:
     rpc: tuple[str, ...] = ()  # --rpc: the servers the models' layers are offloaded to
     rpc_layers: int = ALL_LAYERS  # how many of them go there: -ngl where given, else every layer
 
-    def config(self, options: dict, **overrides) -> RescueConfig:
-        return preset_config(self.preset, **merged(option_overrides(options), overrides))
+    def config(self, options: dict, dataset: str | None = None, **overrides) -> RescueConfig:
+        return preset_config(self.preset, dataset, **merged(option_overrides(options), overrides))
 
 
 def prm_head_given(value: str | None) -> tuple[str | None, Path | None]:

@@ -45,6 +45,9 @@ class Preset:
     note: str = ""
     prompt: str | None = None  # the template its models were trained on; None: RescueConfig's default
     recipe: dict = field(default_factory=dict)  # RescueConfig fields ("kv" and "detector" as dicts)
+    # per dataset (a bench --dataset name), RescueConfig fields laid over the recipe for its problems: what was
+    # fitted on that dataset's training split (commit.json's "datasets")
+    dataset_recipes: dict = field(default_factory=dict)
     prm_head: Path | None = None  # the PRM's reward head when it is not beside the backbone (head_path(prm))
     helper_head: Path | None = None  # the head `--prm helper` reads the helper's context with
 
@@ -96,24 +99,29 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
     return Preset(name, **files, helper_head=directory / "helper.head.npz", **preset_spec(directory))
 
 
-COMMIT_RULES = ("helper_margin", "calibration")  # the commit rules' fitted parameters in a preset's commit.json
+COMMIT_RULES = ("choice", "helper_margin", "calibration", "judge_max_budget")  # a commit.json's fitted rule settings
 
 
 def preset_spec(directory: Path) -> dict:
     """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe's detector
-    settings, and its commit.json's fitted rule parameters ("rule", written by perf/fit_commit.py beside what they
-    were fitted on, "fit") over the recipe."""
+    settings, and its commit.json's fitted rule settings ("rule", written by perf/fit_commit.py beside what they
+    were fitted on, "fit") over the recipe; commit.json's "datasets" hold rule settings fitted per dataset."""
     spec = _read_json(directory / "preset.json")
     recipe = dict(spec.get("recipe") or {})
+    dataset_recipes: dict = {}
     if (directory / "detector.json").exists():
         recipe["detector"] = {**recipe.get("detector", {}), **_read_json(directory / "detector.json")}
     if (directory / "commit.json").exists():
-        rule = _read_json(directory / "commit.json").get("rule")
-        if not isinstance(rule, dict) or set(rule) - set(COMMIT_RULES):
+        commit = _read_json(directory / "commit.json")
+        rules = [commit.get("rule"), *(commit.get("datasets") or {}).values()]
+        if not isinstance(commit.get("datasets", {}), dict) or not all(
+                isinstance(rule, dict) and not set(rule) - set(COMMIT_RULES) for rule in rules):
             raise KVRescueError(f"{directory / 'commit.json'} has no \"rule\" of {', '.join(COMMIT_RULES)}: refit it "
                                 "with perf/fit_commit.py or restore it from the repository")
-        recipe.update(rule)
-    return {"note": spec.get("note", ""), "prompt": spec.get("prompt"), "recipe": recipe}
+        recipe.update(commit["rule"])
+        dataset_recipes = commit.get("datasets") or {}
+    return {"note": spec.get("note", ""), "prompt": spec.get("prompt"), "recipe": recipe,
+            "dataset_recipes": dataset_recipes}
 
 
 MODELS_CACHE = CACHE / "models"

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Fit the commit rules' parameters (`--choice calibrated`'s per-source calibration, `--choice base-first`'s
-helper margin) on KV-Rescue rows of training problems, and store them with a preset (kvrescue_local/prmtrain/commit.py).
-
-The rows come from `bench run --split train --modes kvrescue --ns 1` with the PRM choosing: every round with a base
-and a helper survivor has both rewards; a row of an evaluation problem is refused.
+"""Fit the commit rules' parameters on rows of training problems, and store them with a preset:
+- from KV-Rescue rows with the PRM choosing (`bench run --split train --modes kvrescue --ns 1`): `--choice
+  calibrated`'s per-source calibration and `--choice base-first`'s helper margin (kvrescue_local/prmtrain/commit.py);
+- from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
+  --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
+  regime rule the preset's default.
+A row of an evaluation problem is refused. With --write, the fitted settings are laid over what the file holds.
 
 Usage:
   python3 perf/fit_commit.py ROWS.jsonl [more.jsonl ...] [--write models/coder/commit.json]
@@ -19,29 +21,53 @@ from pathlib import Path
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.prmtrain.commit import fit
+from kvrescue_local.prmtrain.examples import check_split
+from kvrescue_local.prmtrain.regime import RegimeFit, default_rule, fit_regime
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("rows", type=Path, nargs="+", help="results files of KV-Rescue on training problems")
+    parser.add_argument("rows", type=Path, nargs="+", help="results files of training problems")
     parser.add_argument("--write", type=Path, help="store the fitted rule here (a preset's commit.json)")
     args = parser.parse_args()
+    where = ", ".join(map(str, args.rows))
+    stored = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
+    rule, datasets, fitted_on = dict(stored.get("rule", {})), dict(stored.get("datasets", {})), dict(stored.get("fit", {}))
     try:
         rows = [row for path in args.rows for row in read_rows(path)]
-        result = fit(rows, ", ".join(map(str, args.rows)))
+        check_split(rows, "train", where)
+        if any((r.get("config") or {}).get("mode") == "kvrescue" for r in rows):
+            result = fit(rows, where)
+            base_slope, base_bias, helper_slope, helper_bias = result.calibration
+            print(f"{result.rounds} scored rounds with a base and a helper survivor, of {result.problems} training problems")
+            for source, (steps, right) in result.steps.items():
+                print(f"  committed {source} steps: {steps}, {right} in trajectories that ended right")
+            print(f"calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
+                  f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
+            print(f"base-first helper margin: {result.helper_margin}")
+            rule.update(result.rule())
+            fitted_on["calibration"] = {"rows": [p.name for p in args.rows], "problems": result.problems,
+                                        "rounds": result.rounds, "steps": {k: list(v) for k, v in result.steps.items()}}
+        if any((r.get("config") or {}).get("mode") == "bon" for r in rows):
+            regimes = fit_regime(rows, where)
+            for regime in regimes:
+                print(f"{regime.dataset}: judge up to budget {regime.judge_max_budget} (evicted best-of-N / helper alone, "
+                      "solved of the training problems both ran)")
+                for s in regime.scores:
+                    print(f"  budget {s.budget}: {s.evicted} / {s.helper} of {s.problems}"
+                          f"{'  (the base is the weaker)' if s.base_weaker else ''}")
+                datasets[regime.dataset] = regime.rule()
+                fitted_on.setdefault("regime", {})[regime.dataset] = {
+                    "rows": [p.name for p in args.rows],
+                    "budgets": {str(s.budget): [s.problems, s.evicted, s.helper] for s in regime.scores}}
+            rule.update(default_rule([*regimes, *(RegimeFit(d, (), r["judge_max_budget"]) for d, r in datasets.items()
+                                                  if d not in {f.dataset for f in regimes})]))
+            print(f"default (no dataset): judge up to budget {rule['judge_max_budget']}")
     except KVRescueError as exc:
         sys.exit(f"Error: {exc}")
-    base_slope, base_bias, helper_slope, helper_bias = result.calibration
-    print(f"{result.rounds} scored rounds with a base and a helper survivor, of {result.problems} training problems")
-    for source, (steps, right) in result.steps.items():
-        print(f"  committed {source} steps: {steps}, {right} in trajectories that ended right")
-    print(f"calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
-          f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
-    print(f"base-first helper margin: {result.helper_margin}")
     if args.write:
-        fitted_on = {"rows": [p.name for p in args.rows], "problems": result.problems, "rounds": result.rounds,
-                     "steps": {k: list(v) for k, v in result.steps.items()}}
-        args.write.write_text(json.dumps({"rule": result.rule(), "fit": fitted_on}, indent=2) + "\n")
+        args.write.write_text(json.dumps({"rule": rule, **({"datasets": datasets} if datasets else {}), "fit": fitted_on},
+                                         indent=2) + "\n")
         print(f"wrote {args.write}")
 
 

@@ -21,6 +21,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 N_GPU_LAYERS = int(os.environ.get("KVRESCUE_TEST_NGL", "0"))
 
 
+@pytest.fixture(autouse=True)
+def in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Every test runs in a temporary folder: a relative output path, or an option's name taken for a missing
+    value (`--results --html`), lands there, never in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tiny-models")

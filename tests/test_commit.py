@@ -125,3 +125,82 @@ def test_a_rule_that_reads_rewards_loads_the_presets_prm_when_none_is_given(base
                                     "--max-tokens", "40", "--base", str(base_path), "--helper", str(helper_path),
                                     "--choice", choice, "1+1?"])
     assert ran.exit_code == 0, ran.output
+
+
+def test_the_regime_rule_is_the_judge_up_to_its_budget_and_base_first_above():
+    from kvrescue_local.eviction import KVBudget
+
+    round_ = drafts(("base", 0.40), ("helper", 0.60))
+    small, large = (RescueConfig(n=1, choice="regime", judge_max_budget=32, kv=KVBudget(budget=b)) for b in (32, 64))
+    assert (small.rule, large.rule) == ("prm", "base-first")
+    assert choose(round_, small, 0, 0) is round_[1], "at 32 the judge's favourite, the helper's step"
+    assert choose(round_, large, 0, 0) is round_[0], "at 64 the base's step"
+    assert RescueConfig(choice="regime").rule == "base-first", "nothing fitted: the base's step first everywhere"
+    assert RescueConfig(choice="random", judge_max_budget=512).rule == "random"
+    with pytest.raises(KVRescueError, match="--judge-max-budget must be 0 or more"):
+        RescueConfig(judge_max_budget=-1)
+
+
+def sweep_row(dataset, problem_id, mode, correct, budget=0, n=1, policy="rkv"):
+    return {"dataset": dataset, "id": problem_id, "correct": correct,
+            "config": {"mode": mode, "budget": budget, "n": n, "policy": policy if budget else "none"}}
+
+
+def test_the_regime_budget_is_fitted_per_dataset_on_training_rows_where_the_evicted_base_is_the_weaker():
+    from kvrescue_local.prmtrain.regime import default_rule, fit_regime
+
+    math_ids = [p.id for p in load_dataset("math500", split="train").problems[:10]]
+    rows = [sweep_row("math500", i, "helper", k < 3) for k, i in enumerate(math_ids)]
+    rows += [sweep_row("math500", i, "bon", k < 1, 32) for k, i in enumerate(math_ids)]  # 1 against the helper's 3
+    rows += [sweep_row("math500", i, "bon", k < 3, 64) for k, i in enumerate(math_ids)]  # a tie: the base's step first
+    rows += [sweep_row("math500", i, "bon", k < 1, 128) for k, i in enumerate(math_ids)]  # not reached past 64's tie
+    rows += [sweep_row("math500", i, "bon", True, 64, n=4) for i in math_ids]  # N = 4: not the rule's evidence
+    rows += [sweep_row("gsm8k", str(i), "helper", i < 4) for i in range(10)]
+    rows += [sweep_row("gsm8k", str(i), "bon", i < 2, 64) for i in range(10)]
+    rows += [sweep_row("gsm8k", str(i), "bon", i < 6, 128) for i in range(10)]
+    fits = {f.dataset: f for f in fit_regime(rows, "rows")}
+    assert {d: f.judge_max_budget for d, f in fits.items()} == {"gsm8k": 64, "math500": 32}
+    assert [(s.budget, s.problems, s.evicted, s.helper) for s in fits["math500"].scores] == [
+        (32, 10, 1, 3), (64, 10, 3, 3), (128, 10, 1, 3)]
+    assert default_rule(list(fits.values())) == {"choice": "regime", "judge_max_budget": 32}
+    stronger = [r for r in rows if not (r["dataset"] == "math500" and r["config"]["budget"] == 32)]
+    assert {f.dataset: f.judge_max_budget for f in fit_regime(stronger, "rows")}["math500"] == 0
+    with pytest.raises(KVRescueError, match="is an evaluation problem"):
+        fit_regime([*rows, sweep_row("gsm8k", "950", "helper", True)], "rows")
+    with pytest.raises(KVRescueError, match="no dataset has both"):
+        fit_regime([r for r in rows if r["config"]["mode"] != "helper"], "rows")
+    with pytest.raises(KVRescueError, match="evict by 2 policies"):
+        fit_regime([*rows, sweep_row("gsm8k", "1", "bon", True, 64, policy="snapkv")], "rows")
+
+
+def test_a_preset_holds_a_rule_per_dataset_and_the_regime_rule_runs_the_judge_or_base_first_by_budget(
+        base_path, helper_path, tiny_prm_path, tmp_path):
+    from kvrescue_local.compose import preset_config
+    from kvrescue_local.presets import Preset
+
+    (tmp_path / "preset.json").write_text(json.dumps({"recipe": {"pick_margin": 0.005}}))
+    (tmp_path / "commit.json").write_text(json.dumps({
+        "rule": {"choice": "regime", "judge_max_budget": 32},
+        "datasets": {"gsm8k": {"choice": "regime", "judge_max_budget": 64}}}))
+    preset = Preset("p", base_path, helper_path, tiny_prm_path, **preset_spec(tmp_path))
+    assert [preset_config(preset, d).judge_max_budget for d in (None, "math500", "gsm8k")] == [32, 32, 64]
+    assert preset_config(preset, "gsm8k", judge_max_budget=16).judge_max_budget == 16, "the command line wins"
+    (tmp_path / "commit.json").write_text(json.dumps({"rule": {}, "datasets": {"gsm8k": {"budget": 3}}}))
+    with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
+        preset_spec(tmp_path)
+    results = tmp_path / "regime.jsonl"
+    ran = CliRunner().invoke(main, [
+        "bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns", "1",
+        "--budgets", "32,64", "--results", str(results), "--choice", "prm,base-first,regime", "--judge-max-budget", "32"])
+    assert ran.exit_code == 0, ran.output
+    sources = {(r["id"], r["config_key"]): "".join(s["source"][0] for s in r["trajectory"]["steps"])
+               for r in read_rows(results)}
+    settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
+    assert settings["kvrescue-b64-n1-rkv-regime"]["judge_max_budget"] == 32
+    assert "judge_max_budget" not in settings["kvrescue-b64-n1-rkv-base-first"]
+    for problem in ("toy-0", "toy-1"):
+        assert sources[problem, "kvrescue-b32-n1-rkv-regime"] == sources[problem, "kvrescue-b32-n1-rkv"]
+        assert sources[problem, "kvrescue-b64-n1-rkv-regime"] == sources[problem, "kvrescue-b64-n1-rkv-base-first"]
+        # the two rules commit other sources on these problems (b: base, h: helper), so the agreement says which ran
+        assert sources[problem, "kvrescue-b32-n1-rkv"] != sources[problem, "kvrescue-b32-n1-rkv-base-first"]
+        assert sources[problem, "kvrescue-b64-n1-rkv"] != sources[problem, "kvrescue-b64-n1-rkv-base-first"]

@@ -45,9 +45,9 @@ def bench() -> None:
 @click.option("--ns", type=IntList(), default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
 @click.option("--policies", type=PolicySpecs(several=True), help="comma-separated eviction policy specs, e.g. rkv,snapkv or rkv:lam=0.1,kernel=5,h2o "
                                  f"[default: the preset's, else {DEFAULTS.kv.policy}]")
-@click.option("--choice", "choices", default=DEFAULTS.choice, show_default=True,
-              help=f"comma-separated: how rounds with a choice pick their winner ({', '.join(CHOICES)}: the PRM's "
-                   "favourite, or at random, the PRM's baseline); each is a configuration of its own")
+@click.option("--choice", "choices",
+              help=f"comma-separated: how rounds with a choice pick their winner ({', '.join(CHOICES)}; docs/prm.md); "
+                   f"each is a configuration of its own [default: the preset's for the dataset, else {DEFAULTS.choice}]")
 @click.option("--bases", help="comma-separated base models (GGUF paths or owner/repo:FILE.gguf), a sweep axis "
                                "[default: --base, else the preset's]")
 @click.option("--weight-types", type=Names(WEIGHT_TYPES, "weight type", several=True),
@@ -77,11 +77,12 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
     needs_helper = any(m.uses_helper for m in modes)
-    choices = name_list(choices, CHOICES, "choice")
+    choices = name_list(choices, CHOICES, "choice") if choices else None
     most_sides = max(m.sides for m in modes)
-    selection = select_models(options, needs_base, needs_helper,
-                              needs_prm=most_sides * max(ns) > 1 and bool(set(choices) & set(SCORED_CHOICES)), note=note)
-    template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
+    selection = select_models(options, needs_base, needs_helper, note=note,
+                              needs_prm=most_sides * max(ns) > 1 and bool(set(choices or SCORED_CHOICES) & set(SCORED_CHOICES)))
+    template = selection.config(options, None if data else dataset, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
+    choices = choices or [template.choice]
     caches = cache_axis(cache_types, template, options)
     base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}
     check_writable(results, "--results", special=False,

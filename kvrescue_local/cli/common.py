@@ -84,6 +84,9 @@ SEARCH_OPTIONS = [
     click.option("--helper-margin", type=Finite(0, 1),
                  help="--choice base-first: the helper's step is committed over the base's only when the PRM scores it "
                       f"more than this higher, or no base candidate survives {preset_default(DEFAULTS.helper_margin)}"),
+    click.option("--judge-max-budget", type=NON_NEGATIVE,
+                 help="--choice regime: the largest base budget at which the PRM's favourite is committed; above it the "
+                      f"rule is base-first {preset_default(DEFAULTS.judge_max_budget)}"),
     *detector_options("", "base", DEFAULTS.detector.tau_entropy, DEFAULTS.detector.tau_compression),
     *detector_options("helper-", "helper", DEFAULTS.helper_tau_entropy, DEFAULTS.helper_tau_compression,
                       " (0 and 0: the helper is not watched)"),

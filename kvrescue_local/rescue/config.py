@@ -20,10 +20,12 @@ from .record import Mode
 
 # how a round's winner is chosen among its survivors: the PRM's favourite; at random (what the PRM's choice is worth);
 # the base's favourite unless the PRM prefers the helper's by more than helper_margin ("base-first"); the survivor
-# most probably right by each source's calibrated reward ("calibrated")
-CHOICES = ("prm", "random", "base-first", "calibrated")
-SCORED_CHOICES = ("prm", "base-first", "calibrated")  # the choices a PRM scores the survivors for
-RULE_SETTINGS = {"pick_margin": ("prm", "base-first"), "helper_margin": ("base-first",), "calibration": ("calibrated",)}
+# most probably right by each source's calibrated reward ("calibrated"); by the regime ("regime"): the PRM's favourite
+# at budgets up to judge_max_budget, where the evicted base writes worse steps than the helper, base-first above
+CHOICES = ("prm", "random", "base-first", "calibrated", "regime")
+SCORED_CHOICES = ("prm", "base-first", "calibrated", "regime")  # the choices a PRM scores the survivors for
+RULE_SETTINGS = {"pick_margin": ("prm", "base-first", "regime"), "helper_margin": ("base-first", "regime"),
+                 "calibration": ("calibrated",), "judge_max_budget": ("regime",)}
 SOME_SETTINGS = (*RULE_SETTINGS, "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
 IDENTITY_CALIBRATION = (1.0, 0.0, 1.0, 0.0)  # base slope, base bias, helper slope, helper bias: P = sigmoid(slope·r + bias)
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
@@ -72,6 +74,10 @@ class RescueConfig:
     # with choice "calibrated": each source's reward r mapped to P(step right) = sigmoid(slope·r + bias), fitted on
     # the labelled steps of training problems (rescue/calibration.py), as IDENTITY_CALIBRATION's four numbers
     calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
+    # with choice "regime": the largest base budget at which the PRM's favourite is committed ("prm"); above it the
+    # rule is base-first. Fitted on training problems (prmtrain/regime.py): the budgets where evicted best-of-N solved
+    # fewer of them than the helper alone. 0: base-first at every budget, the base's own trajectory until a kill
+    judge_max_budget: int = 0
     # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
     # helper is not watched, the default, as in every row written before these settings. A round whose candidates
     # all die commits the least degenerate (Step.fallback)
@@ -101,12 +107,21 @@ class RescueConfig:
                                     f"{self.helper_tau_compression}); 0 and 0 leave the helper unwatched")
         if not 0 <= self.helper_margin <= 1:
             raise KVRescueError(f"--helper-margin must be in [0, 1], a difference of rewards (got {self.helper_margin})")
+        if self.judge_max_budget < 0:
+            raise KVRescueError(f"--judge-max-budget must be 0 or more, a KV budget (got {self.judge_max_budget})")
         if self.choice not in CHOICES:
             raise KVRescueError(f"unknown choice {self.choice!r}: use one of {', '.join(CHOICES)}")
         if "{problem}" not in self.prompt:
             raise KVRescueError("the prompt template must contain {problem}")
         check_cache_types(self.cache_type_k, self.cache_type_v, self.flash_attn, "-ctk", "-ctv")
         check_cache_types(self.helper_cache_type_k, self.helper_cache_type_v, self.flash_attn, "-ctkh", "-ctvh")
+
+    @property
+    def rule(self) -> str:
+        """The commit rule the rounds follow: the choice, with "regime" resolved by the base's budget."""
+        if self.choice != "regime":
+            return self.choice
+        return "prm" if self.kv.budget <= self.judge_max_budget else "base-first"
 
     @property
     def helper_detector(self) -> DetectorParams | None:

@@ -83,13 +83,15 @@ def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: 
     """The round's winner by config.choice (a lone survivor is unscored): "prm", the PRM's favourite, or the first
     survivor within config.pick_margin of it; "random", one drawn by a seed of the run's seed (`seed`, else the
     config's), the problem's key and the round (reproducible, and not the same draw on every problem);
-    "base-first" and "calibrated", see base_first and most_probable."""
-    if config.choice == "random":
+    "base-first" and "calibrated", see base_first and most_probable; "regime", one of "prm" and "base-first" by the
+    base's budget (RescueConfig.rule)."""
+    rule = config.rule
+    if rule == "random":
         rng = np.random.default_rng([config.seed if seed is None else seed, key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
-    if config.choice == "base-first":
+    if rule == "base-first":
         return base_first(survivors, config)
-    if config.choice == "calibrated":
+    if rule == "calibrated":
         return most_probable(survivors, config.calibration)
     return favourite(survivors, config.pick_margin)
 

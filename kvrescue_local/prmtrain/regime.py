@@ -1,0 +1,88 @@
+"""The regime rule's budget (rescue/config.py: `judge_max_budget`), fitted per dataset on rows of training problems.
+
+Where the evicted base solves fewer training problems than the helper alone, its view is too broken for its own
+steps to come first, and the judge's pick, which lets the helper's steps in, is the rule; where it solves more, the
+base's step comes first (base-first), so the loop cannot make the base worse than its own trajectory. The fitted
+budget is the largest measured budget B such that at every measured budget up to B, evicted best-of-N at N = 1
+solved fewer of the problems than the helper alone, on the problems both ran; 0 where the smallest measured budget
+already favours the base. It is fitted per dataset: the regime belongs to the pair and the task, not to the budget
+alone (on GSM8K's training problems the base evicted to 64 entries is below the helper, on MATH500's it may not be).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..bench.metrics import problem_keys
+from ..errors import KVRescueError
+from .examples import check_split
+
+
+@dataclass(frozen=True)
+class BudgetScore:
+    budget: int
+    problems: int  # the training problems evicted best-of-N at this budget and the helper alone both ran
+    evicted: int  # of them, solved by evicted best-of-N
+    helper: int  # solved by the helper alone
+
+    @property
+    def base_weaker(self) -> bool:
+        return self.evicted < self.helper
+
+
+@dataclass(frozen=True)
+class RegimeFit:
+    dataset: str
+    scores: tuple[BudgetScore, ...]  # by budget, ascending
+    judge_max_budget: int
+
+    def rule(self) -> dict:
+        return {"choice": "regime", "judge_max_budget": self.judge_max_budget}
+
+
+def one_candidate(rows: list[dict], mode: str) -> list[dict]:
+    """The finished rows of `mode` at N = 1."""
+    return [r for r in rows if not r.get("error") and (r.get("config") or {}).get("mode") == mode
+            and (r.get("config") or {}).get("n") == 1]
+
+
+def fit_regime(rows: list[dict], where: str) -> list[RegimeFit]:
+    """Per dataset, the regime budget from evicted best-of-N (N = 1, one eviction policy) and helper-alone rows of
+    its training problems (any evaluation row is refused)."""
+    check_split(rows, "train", where)
+    fits = []
+    for dataset in sorted({str(r.get("dataset")) for r in rows}):
+        mine = [r for r in rows if str(r.get("dataset")) == dataset]
+        evicted, helper = one_candidate(mine, "bon"), one_candidate(mine, "helper")
+        policies = {r["config"].get("policy") for r in evicted}
+        if len(policies) > 1:
+            raise KVRescueError(f"{where}: {dataset}'s best-of-N rows evict by {len(policies)} policies "
+                                f"({', '.join(sorted(map(str, policies)))}): fit on rows of the preset's one")
+        if not evicted or not helper:
+            continue
+        key = problem_keys(evicted, helper)
+        helper_right = {key(r): bool(r.get("correct")) for r in helper}
+        scores = []
+        for budget in sorted({int(r["config"]["budget"]) for r in evicted}):
+            paired = {key(r): bool(r.get("correct")) for r in evicted
+                      if int(r["config"]["budget"]) == budget and key(r) in helper_right}
+            if paired:
+                scores.append(BudgetScore(budget, len(paired), sum(paired.values()),
+                                          sum(helper_right[k] for k in paired)))
+        judge_max_budget = 0
+        for score in scores:
+            if not score.base_weaker:
+                break
+            judge_max_budget = score.budget
+        if scores:
+            fits.append(RegimeFit(dataset, tuple(scores), judge_max_budget))
+    if not fits:
+        raise KVRescueError(f"{where}: no dataset has both evicted best-of-N and helper-alone rows at N = 1 on the same "
+                            "training problems: run `bench run --split train --modes bon,helper --ns 1 --budgets ...`")
+    return fits
+
+
+def default_rule(fits: list[RegimeFit]) -> dict:
+    """The rule for problems of no known dataset (solve, serve): the smallest fitted budget, where the base was the
+    weaker writer on every dataset measured."""
+    return {"choice": "regime", "judge_max_budget": min(f.judge_max_budget for f in fits)}
