@@ -32,9 +32,10 @@ SETTINGS = ("off", "all", "none")
 def microseconds_per_token(model: Model, k: int, n: int, prefix: int, steps: int, scores: str, window: int,
                            flash_attn: str = "off", streams: bool = False) -> float:
     """CPU time of this process per decoded token (llama.cpp's threads run in it; on shared cores wall time counts
-    the neighbours too). streams: llama.cpp's per-sequence KV streams (kv_unified=false, 256 cells each)."""
+    the neighbours too). streams: llama.cpp's per-sequence KV streams (kv_unified=false, cells for a prefix and the steps each)."""
     n_seq = k * (n + 1)
-    n_ctx = n_seq * 256 if streams else k * (prefix + n * (steps + 2)) + 256
+    stream = 256 * -(-(prefix + steps + 2) // 256)  # a stream holds its sequence's prefix and decoded tokens
+    n_ctx = n_seq * stream if streams else k * (prefix + n * (steps + 2)) + 256
     ctx = Context(model, ContextParams(n_ctx=n_ctx, n_seq_max=n_seq, flash_attn=flash_attn, kv_unified=not streams))
     if scores != "off":
         enable_scores(ctx, window)

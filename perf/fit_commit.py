@@ -34,7 +34,8 @@ def main() -> None:
     stored = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
     rule, datasets, fitted_on = dict(stored.get("rule", {})), dict(stored.get("datasets", {})), dict(stored.get("fit", {}))
     try:
-        rows = [row for path in args.rows for row in read_rows(path)]
+        rows_of = {path: read_rows(path) for path in args.rows}
+        rows = [row for path in args.rows for row in rows_of[path]]
         check_split(rows, "train", where)
         if any((r.get("config") or {}).get("mode") == "kvrescue" for r in rows):
             result = fit(rows, where)
@@ -58,7 +59,7 @@ def main() -> None:
                           f"{'  (the base is the weaker)' if s.base_weaker else ''}")
                 datasets[regime.dataset] = regime.rule()
                 fitted_on.setdefault("regime", {})[regime.dataset] = {
-                    "rows": [p.name for p in args.rows],
+                    "rows": [p.name for p in args.rows if any(str(r.get("dataset")) == regime.dataset for r in rows_of[p])],
                     "budgets": {str(s.budget): [s.problems, s.evicted, s.helper] for s in regime.scores}}
             rule.update(default_rule([*regimes, *(RegimeFit(d, (), r["judge_max_budget"]) for d, r in datasets.items()
                                                   if d not in {f.dataset for f in regimes})]))
