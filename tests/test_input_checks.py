@@ -228,3 +228,15 @@ def test_a_network_failure_is_not_called_offline(monkeypatch, tmp_path):
         assert "offline" not in str(refused.value) and "network" in str(refused.value)
     with pytest.raises(KVRescueError, match="downloads are off"):
         hub.download("o/r", "f.gguf", tmp_path, offline=True)
+
+
+@pytest.mark.parametrize("args", [["bench", "run", "--dataset", "toy", "--limit", 1, "--modes", "bon", *FAST,
+                                   "--results", "--html"],
+                                  ["solve", *FAST, "--json", "--resume", PROBLEM]])
+def test_an_option_name_taken_for_an_output_file_is_refused_and_writes_nothing(tmp_path, args):
+    message = one_error_line(invoke(*args))
+    assert "an option's name" in message and f"{tmp_path}/--" in message, message
+    assert not list(tmp_path.iterdir()), "nothing written in the folder the command ran in"
+    assert invoke("bench", "run", "--dataset", "toy", "--limit", 1, "--modes", "full", "--ns", 1, *FAST,
+                  "--results", tmp_path / "--html").exit_code == 0, "with its folder, a file of that name"
+    assert (tmp_path / "--html").exists()

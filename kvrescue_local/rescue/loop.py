@@ -272,6 +272,7 @@ class Rescue:
         solving = Solving(item, slot, Trajectory(problem, self.config.as_dict()), problem_key(problem),
                           time.perf_counter())
         prompt = self.config.prompt.format(problem=problem)
+        llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
         try:  # a failure here is the problem's own: its slot ends at once, the others are not touched
             for gen in self.sides.values():
                 tokens = gen.model.tokenize(prompt)
@@ -284,6 +285,8 @@ class Rescue:
                 self.prm.start(problem, slot)
         except Exception as exc:  # noqa: BLE001 - as in advance_alone
             solving.error = own_failure(exc)
+        finally:  # emptying the slot is llama.cpp work of this problem's, charged to it as its rounds' is
+            solving.charge({f"llama_{name}": g.llama_seconds - llama_before[name] for name, g in self.sides.items()})
         return solving
 
     def round(self, flying: list[Solving], on_step) -> list[Solving]:
