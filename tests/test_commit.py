@@ -108,6 +108,8 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(
     report = CliRunner().invoke(main, ["report", str(results)])
     assert report.exit_code == 0 and "kvrescue/base-first" in report.output, report.output
     assert "kvrescue/base-first b32 n1 rkv vs bon b32 n1 rkv, on the 1 problems both ran" in report.output
+    assert "kvrescue/base-first b32 n1 rkv vs the judge's pick, kvrescue b32 n1 rkv, on the 1 problems" in report.output
+    assert "kvrescue/random b32 n1 rkv vs the judge's pick" not in report.output, "random has its own line"
     assert "helper kills" not in report.output, "no row watched the helper: no such column"
     watched = tmp_path / "watched.jsonl"
     ran = CliRunner().invoke(main, [*args[:args.index("--results") + 1], str(watched), "--choice", "base-first",

@@ -478,6 +478,23 @@ def rule_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2
     return out
 
 
+def judge_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
+                      seed: int = 0) -> list[PairedComparison]:
+    """Each KV-Rescue configuration committing by another rule than the PRM's favourite or a random draw (a) against
+    every setup of the PRM's favourite (b) at its budget, N and policy: what the rule changes over the judge."""
+    groups = group_rows(rows, pool_setups)
+    rng = np.random.default_rng(seed)
+    out = []
+    for ruled in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice not in ("prm", "random")):
+        for judged in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice == "prm" and k.dataset == ruled.dataset
+                       and (k.budget, k.n, k.policy, k.weights, k.kv_cache, k.helper_kv_cache) ==
+                       (ruled.budget, ruled.n, ruled.policy, ruled.weights, ruled.kv_cache, ruled.helper_kv_cache)
+                       and settings_label(groups[k][0]) == settings_label(groups[ruled][0])):
+            if c := compare(groups, ruled, judged, rng, draws):
+                out.append(c)
+    return out
+
+
 def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[PairedComparison]:
     """Each further setup of a configuration (a) against its first in the report's order (b)."""
     groups = group_rows(rows)

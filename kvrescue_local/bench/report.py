@@ -28,8 +28,7 @@ from pathlib import Path
 from ..errors import KVRescueError
 from ..files import check_input_file, decompressed
 from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, choice_comparisons, config_key, oracles,
-                      rule_comparisons,
-                      setup_comparisons, setup_notes, summaries)
+                      judge_comparisons, rule_comparisons, setup_comparisons, setup_notes, summaries)
 from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
 
@@ -241,6 +240,11 @@ def comparison_notes(rows: list[dict], pool_setups: bool) -> list[str]:
                      f"{fmt(o.oracle_pass1)}% (evicted {fmt(o.bon_pass1)}%, helper {fmt(o.helper_pass1)}%{full}){gap}")
     for c in rule_comparisons(rows, pool_setups):
         notes.append(f"{c.a.label} vs {c.b.label}, on the {c.problems} problems both ran: {paired_text(c)}")
+    judged = judge_comparisons(rows, pool_setups)
+    for c in judged:
+        twice = sum(other.a == c.a for other in judged) > 1  # the judge's rows of several setups: told apart
+        notes.append(f"{c.a.label} vs the judge's pick, {c.b.label}{f' (setup {c.b.setup})' if twice else ''}, on "
+                     f"the {c.problems} problems both ran: {paired_text(c)}")
     choices = choice_comparisons(rows, pool_setups)
     for c in choices:
         twice = sum(other.a.label == c.a.label for other in choices) > 1  # told apart by their setups

@@ -80,7 +80,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     choices = name_list(choices, CHOICES, "choice") if choices else None
     most_sides = max(m.sides for m in modes)
     selection = select_models(options, needs_base, needs_helper, note=note,
-                              needs_prm=most_sides * max(ns) > 1 and bool(set(choices or SCORED_CHOICES) & set(SCORED_CHOICES)))
+                              needs_prm=most_sides * max(ns) > 1 and (choices is None or bool(set(choices) & set(SCORED_CHOICES))))
     template = selection.config(options, None if data else dataset, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
     choices = choices or [template.choice]
     caches = cache_axis(cache_types, template, options)

@@ -6,7 +6,7 @@ base's step comes first (base-first), so the loop cannot make the base worse tha
 budget is the largest measured budget B such that at every measured budget up to B, evicted best-of-N at N = 1
 solved fewer of the problems than the helper alone, on the problems both ran; 0 where the smallest measured budget
 already favours the base. It is fitted per dataset: the regime belongs to the pair and the task, not to the budget
-alone (on GSM8K's training problems the base evicted to 64 entries is below the helper, on MATH500's it may not be).
+alone (the training problems of GSM8K and MATH500 put the crossing at different budgets: docs/prm.md).
 """
 
 from __future__ import annotations
