@@ -90,7 +90,7 @@ def check_writable(path: str | Path, option: str, special: bool = True, reads: R
     read-only disk, a block device; a character device or FIFO only where special) or that is a file the
     command reads, before any work. A bare name that begins with "-" is an option's name taken for the missing
     value (`--results --html`), refused; a path with a folder names a file of that name."""
-    if str(path).startswith("-") and str(path) != "-":
+    if str(path).startswith("-"):
         raise KVRescueError(f"{option} got {str(path)!r}, an option's name, for its file: give {option} a path "
                             f"(with its folder, e.g. {Path.cwd() / path}, for a file of that name)")
     path = Path(path)

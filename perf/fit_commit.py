@@ -21,8 +21,7 @@ from pathlib import Path
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.prmtrain.commit import fit
-from kvrescue_local.prmtrain.examples import check_split
-from kvrescue_local.prmtrain.regime import RegimeFit, default_rule, fit_regime
+from kvrescue_local.prmtrain.regime import default_rule, fit_regime
 
 
 def main() -> None:
@@ -31,13 +30,19 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="store the fitted rule here (a preset's commit.json)")
     args = parser.parse_args()
     where = ", ".join(map(str, args.rows))
-    stored = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
+    try:
+        stored = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
+    except (OSError, ValueError) as exc:
+        sys.exit(f"Error: cannot read {args.write} ({exc}): restore it from the repository or remove it")
     rule, datasets, fitted_on = dict(stored.get("rule", {})), dict(stored.get("datasets", {})), dict(stored.get("fit", {}))
     try:
         rows_of = {path: read_rows(path) for path in args.rows}
         rows = [row for path in args.rows for row in rows_of[path]]
-        check_split(rows, "train", where)
-        if any((r.get("config") or {}).get("mode") == "kvrescue" for r in rows):
+        modes = {(r.get("config") or {}).get("mode") for r in rows}
+        if not modes & {"kvrescue", "bon"}:
+            raise KVRescueError(f"{where} hold no KV-Rescue or evicted best-of-N rows to fit on: pass results of "
+                                "`bench run --split train` (see the usage above)")
+        if "kvrescue" in modes:
             result = fit(rows, where)
             base_slope, base_bias, helper_slope, helper_bias = result.calibration
             print(f"{result.rounds} scored rounds with a base and a helper survivor, of {result.problems} training problems")
@@ -49,7 +54,7 @@ def main() -> None:
             rule.update(result.rule())
             fitted_on["calibration"] = {"rows": [p.name for p in args.rows], "problems": result.problems,
                                         "rounds": result.rounds, "steps": {k: list(v) for k, v in result.steps.items()}}
-        if any((r.get("config") or {}).get("mode") == "bon" for r in rows):
+        if "bon" in modes:
             regimes = fit_regime(rows, where)
             for regime in regimes:
                 print(f"{regime.dataset}: judge up to budget {regime.judge_max_budget} (evicted best-of-N / helper alone, "
@@ -61,8 +66,7 @@ def main() -> None:
                 fitted_on.setdefault("regime", {})[regime.dataset] = {
                     "rows": [p.name for p in args.rows if any(str(r.get("dataset")) == regime.dataset for r in rows_of[p])],
                     "budgets": {str(s.budget): [s.problems, s.evicted, s.helper] for s in regime.scores}}
-            rule.update(default_rule([*regimes, *(RegimeFit(d, (), r["judge_max_budget"]) for d, r in datasets.items()
-                                                  if d not in {f.dataset for f in regimes})]))
+            rule.update(default_rule(datasets.values()))
             print(f"default (no dataset): judge up to budget {rule['judge_max_budget']}")
     except KVRescueError as exc:
         sys.exit(f"Error: {exc}")

@@ -164,7 +164,7 @@ def test_the_regime_budget_is_fitted_per_dataset_on_training_rows_where_the_evic
     assert {d: f.judge_max_budget for d, f in fits.items()} == {"gsm8k": 64, "math500": 32}
     assert [(s.budget, s.problems, s.evicted, s.helper) for s in fits["math500"].scores] == [
         (32, 10, 1, 3), (64, 10, 3, 3), (128, 10, 1, 3)]
-    assert default_rule(list(fits.values())) == {"choice": "regime", "judge_max_budget": 32}
+    assert default_rule(f.rule() for f in fits.values()) == {"choice": "regime", "judge_max_budget": 32}
     stronger = [r for r in rows if not (r["dataset"] == "math500" and r["config"]["budget"] == 32)]
     assert {f.dataset: f.judge_max_budget for f in fit_regime(stronger, "rows")}["math500"] == 0
     with pytest.raises(KVRescueError, match="is an evaluation problem"):
@@ -206,3 +206,32 @@ def test_a_preset_holds_a_rule_per_dataset_and_the_regime_rule_runs_the_judge_or
         # the two rules commit other sources on these problems (b: base, h: helper), so the agreement says which ran
         assert sources[problem, "kvrescue-b32-n1-rkv"] != sources[problem, "kvrescue-b32-n1-rkv-base-first"]
         assert sources[problem, "kvrescue-b64-n1-rkv"] != sources[problem, "kvrescue-b64-n1-rkv-base-first"]
+
+
+def test_the_shipped_regime_budgets_are_refitted_from_the_committed_training_rows(tmp_path):
+    """perf/fit_commit.py on the committed training rows writes the coder preset's commit.json again; evaluation rows
+    and rows with nothing to fit are one Error line each."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "perf/fit_commit.py")]
+    training = [str(root / "results/coder-math500-train-regime.jsonl.zst"), str(root / "results/coder-gsm8k-n1.jsonl.zst")]
+    ran = subprocess.run([*script, *training, "--write", str(tmp_path / "commit.json")], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    shipped = json.loads((root / "models/coder/commit.json").read_text())
+    refitted = json.loads((tmp_path / "commit.json").read_text())
+    assert (refitted["rule"], refitted["datasets"]) == (shipped["rule"], shipped["datasets"])
+    assert "math500: judge up to budget 32" in ran.stdout and "gsm8k: judge up to budget 64" in ran.stdout
+    for rows, says in ((root / "results/coder-gsm8k-regime.jsonl.zst", "is an evaluation problem"),
+                       (root / "results/coder-math500-train-prm32.jsonl", "all come from trajectories that ended wrong")):
+        failed = subprocess.run([*script, str(rows)], capture_output=True, text=True)
+        errors = [line for line in failed.stderr.splitlines() if line.startswith("Error:")]
+        assert failed.returncode == 1 and len(errors) == 1 and says in errors[0], failed.stderr
+        assert "Traceback" not in failed.stderr
+    helper_only = tmp_path / "helper.jsonl"
+    helper_only.write_text("".join(json.dumps(r) + "\n" for r in read_rows(Path(training[1]))
+                                   if r["config"]["mode"] == "helper"))
+    failed = subprocess.run([*script, str(helper_only)], capture_output=True, text=True)
+    assert failed.returncode == 1 and "no KV-Rescue or evicted best-of-N rows" in failed.stderr, failed.stderr

@@ -394,12 +394,17 @@ def paired(groups: dict[ConfigKey, list[dict]], a: ConfigKey, b: ConfigKey) -> t
     return x, y, sorted(set(x) & set(y))
 
 
+def partners(groups: dict[ConfigKey, list[dict]], of: ConfigKey, **same) -> list[ConfigKey]:
+    """The configurations with the given fields that share `of`'s dataset, N, settings and prompt (not its models:
+    the helper runs other models than the base, and random choice loads no PRM), in the report's order."""
+    return [k for k in groups if k.dataset == of.dataset and k.n == of.n
+            and all(getattr(k, name) == value for name, value in same.items())
+            and settings_label(groups[k][0]) == settings_label(groups[of][0])]
+
+
 def partner(groups: dict[ConfigKey, list[dict]], of: ConfigKey, **same) -> ConfigKey | None:
-    """The first configuration with the given fields that shares `of`'s dataset, N, settings and prompt (not its
-    models: the helper runs other models than the base, and random choice loads no PRM)."""
-    return next((k for k in groups if k.dataset == of.dataset and k.n == of.n
-                 and all(getattr(k, name) == value for name, value in same.items())
-                 and settings_label(groups[k][0]) == settings_label(groups[of][0])), None)
+    """The first of `partners`."""
+    return next(iter(partners(groups, of, **same)), None)
 
 
 def oracles(rows: list[dict], pool_setups: bool = False) -> list[Oracle]:
@@ -448,51 +453,47 @@ def compare(groups: dict[ConfigKey, list[dict]], a: ConfigKey, b: ConfigKey, rng
                             100.0 * sum(y[i] for i in common) / len(common), float(low), float(high))
 
 
+def comparisons(rows: list[dict], pool_setups: bool, draws: int, seed: int,
+                pairs: Callable[[dict[ConfigKey, list[dict]], ConfigKey], list[ConfigKey]]) -> list[PairedComparison]:
+    """Each configuration (a) against each configuration `pairs` gives it (b), on the problems both ran."""
+    groups = group_rows(rows, pool_setups)
+    rng = np.random.default_rng(seed)
+    return [c for a in list(groups) for b in pairs(groups, a) if (c := compare(groups, a, b, rng, draws))]
+
+
 def choice_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                        seed: int = 0) -> list[PairedComparison]:
     """Each configuration where the PRM chooses (a) against its random-choice partner (b)."""
-    groups = group_rows(rows, pool_setups)
-    rng = np.random.default_rng(seed)
-    out = []
-    for chosen in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice == "prm"):
-        random = partner(groups, chosen, mode=Mode.KVRESCUE, choice="random", budget=chosen.budget,
-                         policy=chosen.policy, weights=chosen.weights, kv_cache=chosen.kv_cache,
-                         helper_kv_cache=chosen.helper_kv_cache)
-        if random is not None and (c := compare(groups, chosen, random, rng, draws)):
-            out.append(c)
-    return out
+    def random_partner(groups, a):
+        if a.mode != Mode.KVRESCUE or a.choice != "prm":
+            return []
+        return partners(groups, a, mode=Mode.KVRESCUE, choice="random", budget=a.budget, policy=a.policy,
+                        weights=a.weights, kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache)[:1]
+    return comparisons(rows, pool_setups, draws, seed, random_partner)
 
 
 def rule_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                      seed: int = 0) -> list[PairedComparison]:
     """Each KV-Rescue configuration committing by a rule, the PRM's favourite included, not by a random draw (a)
     against evicted best-of-N (b) at its budget, N and policy."""
-    groups = group_rows(rows, pool_setups)
-    rng = np.random.default_rng(seed)
-    out = []
-    for ruled in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice != "random"):
-        bon = partner(groups, ruled, mode=Mode.BON, budget=ruled.budget, policy=ruled.policy, weights=ruled.weights,
-                      kv_cache=ruled.kv_cache)
-        if bon is not None and (c := compare(groups, ruled, bon, rng, draws)):
-            out.append(c)
-    return out
+    def best_of_n(groups, a):
+        if a.mode != Mode.KVRESCUE or a.choice == "random":
+            return []
+        return partners(groups, a, mode=Mode.BON, budget=a.budget, policy=a.policy, weights=a.weights,
+                        kv_cache=a.kv_cache)[:1]
+    return comparisons(rows, pool_setups, draws, seed, best_of_n)
 
 
 def judge_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                       seed: int = 0) -> list[PairedComparison]:
     """Each KV-Rescue configuration committing by another rule than the PRM's favourite or a random draw (a) against
     every setup of the PRM's favourite (b) at its budget, N and policy: what the rule changes over the judge."""
-    groups = group_rows(rows, pool_setups)
-    rng = np.random.default_rng(seed)
-    out = []
-    for ruled in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice not in ("prm", "random")):
-        for judged in (k for k in groups if k.mode == Mode.KVRESCUE and k.choice == "prm" and k.dataset == ruled.dataset
-                       and (k.budget, k.n, k.policy, k.weights, k.kv_cache, k.helper_kv_cache) ==
-                       (ruled.budget, ruled.n, ruled.policy, ruled.weights, ruled.kv_cache, ruled.helper_kv_cache)
-                       and settings_label(groups[k][0]) == settings_label(groups[ruled][0])):
-            if c := compare(groups, ruled, judged, rng, draws):
-                out.append(c)
-    return out
+    def judged(groups, a):
+        if a.mode != Mode.KVRESCUE or a.choice in ("prm", "random"):
+            return []
+        return partners(groups, a, mode=Mode.KVRESCUE, choice="prm", budget=a.budget, policy=a.policy,
+                        weights=a.weights, kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache)
+    return comparisons(rows, pool_setups, draws, seed, judged)
 
 
 def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[PairedComparison]:

@@ -11,6 +11,7 @@ alone (the training problems of GSM8K and MATH500 put the crossing at different 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..bench.metrics import problem_keys
@@ -82,7 +83,7 @@ def fit_regime(rows: list[dict], where: str) -> list[RegimeFit]:
     return fits
 
 
-def default_rule(fits: list[RegimeFit]) -> dict:
-    """The rule for problems of no known dataset (solve, serve): the smallest fitted budget, where the base was the
-    weaker writer on every dataset measured."""
-    return {"choice": "regime", "judge_max_budget": min(f.judge_max_budget for f in fits)}
+def default_rule(rules: Iterable[dict]) -> dict:
+    """The rule for problems of no known dataset (solve, serve), from the datasets' rules (RegimeFit.rule): the
+    smallest fitted budget, where the base was the weaker writer on every dataset measured."""
+    return {"choice": "regime", "judge_max_budget": min(r["judge_max_budget"] for r in rules)}
