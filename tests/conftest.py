@@ -83,6 +83,12 @@ def looping_model(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def blank_line_model(tiny_dir):
+    """Every step it writes is a blank line: two tokens, a loop across steps and never within one."""
+    return constant_model(tiny_dir / "blank.gguf", favourite=ord("\n"))
+
+
+@pytest.fixture(scope="session")
 def uniform_model(tiny_dir):
     return constant_model(tiny_dir / "uniform.gguf", favourite=None)
 

@@ -63,9 +63,25 @@ def test_ordinary_reasoning_steps_are_not_killed(looping_model):
             ctx.step([0], [int(token)])
             entropy = token_entropy(ctx.logits(0))
             assert not monitor.update(entropy, looping_model.token_bytes(int(token))), (step, monitor.stats())
+        assert not monitor.finish(), (step, monitor.stats())
         ctx.drop(0)
         tail = (tail + step.encode())[-256:]
         assert monitor.min_compression > 0.5
+
+
+def test_a_step_shorter_than_a_check_is_judged_where_it_ends_with_the_tail_before_it(looping_model):
+    """A loop across steps of a few tokens each: no token of such a step is checked, its end is."""
+    detector = Detector()
+    step = "\\]\n\n"
+    tokens = looping_model.tokenize(step, special=False)
+    assert len(tokens) < detector.params.check_every
+    ordinary = detector.monitor("".join(ORDINARY_STEPS).encode())
+    looping = detector.monitor((step * 100).encode())
+    for monitor in (ordinary, looping):
+        assert not any([monitor.update(0.0, looping_model.token_bytes(int(t))) for t in tokens])
+    assert not ordinary.finish() and ordinary.min_compression > 0.5
+    assert looping.finish() and looping.killed == "repetition"
+    assert looping.finish(), "a killed candidate stays killed"
 
 
 def test_signals_match_design_sanity_values():

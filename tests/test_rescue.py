@@ -100,6 +100,21 @@ def test_the_detector_kills_a_looping_base_and_the_helper_rescues(looping_model,
     assert traj.steps_from() == {"base": 0, "helper": traj.n_steps}
 
 
+def test_a_loop_of_steps_shorter_than_a_check_is_killed_where_a_step_ends(blank_line_model, helper_model, tiny_prm):
+    """The base writes blank-line steps of two tokens, under the detector's check_every: each step is checked where
+    it ends, its window starting with the trajectory's tail, so once the window holds the loop the base's candidate
+    dies and the helper's step is committed instead of the loop running to the step cap."""
+    detector = DetectorParams(tau_entropy=50.0, text_window=64)
+    cfg = config(n=1, choice="base-first", helper_margin=1.0, detector=detector, max_step_tokens=16, max_tokens=240)
+    traj = Rescue(cfg, blank_line_model, helper_model, tiny_prm).solve(PROBLEM)
+    base = [c for s in traj.steps for c in s.candidates if c.side == "base"]
+    assert all(c.text == "\n\n" for c in base)
+    killed = [c for c in base if c.killed]
+    assert killed and all(c.detector["killed"] == "repetition" and c.detector["tokens"] == 2 for c in killed)
+    assert not base[0].killed, "a window not yet full of the loop is not judged"
+    assert traj.steps_from()["helper"] >= len(killed)
+
+
 def test_a_watched_looping_helper_is_killed_and_a_round_all_killed_commits_the_least_degenerate(
         looping_model, base_model, tiny_prm):
     """The helper loops: watched by its own thresholds, each of its candidates dies, and the base's steps are

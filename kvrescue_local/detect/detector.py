@@ -88,12 +88,26 @@ class Monitor:
             self.max_mean_entropy = max(self.max_mean_entropy, self.mean_entropy)
             if self.mean_entropy > p.tau_entropy:
                 self.killed = "entropy"
-        if len(self.text) >= p.text_window and self.n_tokens % p.check_every == 0:
-            ratio = compression_ratio(bytes(self.text[-p.text_window:]))
-            self.min_compression = min(self.min_compression, ratio)
-            if ratio < p.tau_compression:
-                self.killed = self.killed or "repetition"
+        if self.n_tokens % p.check_every == 0:
+            self.check_repetition()
         return self.killed is not None
+
+    def finish(self) -> bool:
+        """The candidate ended its step: check the text window once more unless its last token was checked, so a
+        loop of steps shorter than check_every tokens (each `\\]` and a blank line) is seen in the trajectory's
+        tail the window starts with. Returns True when the candidate must be killed."""
+        if self.killed is None and self.n_tokens % self.params.check_every != 0:
+            self.check_repetition()
+        return self.killed is not None
+
+    def check_repetition(self) -> None:
+        p = self.params
+        if len(self.text) < p.text_window:
+            return
+        ratio = compression_ratio(bytes(self.text[-p.text_window:]))
+        self.min_compression = min(self.min_compression, ratio)
+        if ratio < p.tau_compression:
+            self.killed = self.killed or "repetition"
 
     def stats(self) -> dict:
         return {"tokens": self.n_tokens, "max_mean_entropy": round(self.max_mean_entropy, 4),

@@ -274,10 +274,9 @@ class Generator:
         cand.pending = token
         if cand.monitor is not None and cand.monitor.update(entropy, piece):
             cand.finished = "killed"
-        elif cand.text.endswith(STEP_END):
-            cand.finished = "step"
-        elif len(cand.tokens) >= self.max_step_tokens:
-            cand.finished = "max_step"
+        elif cand.text.endswith(STEP_END) or len(cand.tokens) >= self.max_step_tokens:
+            ending = "step" if cand.text.endswith(STEP_END) else "max_step"
+            cand.finished = "killed" if cand.monitor is not None and cand.monitor.finish() else ending
 
     def drop_candidates(self, slot: int) -> None:
         for seq in (*self.sequences(slot)[1:], *self.scoring(slot)):
