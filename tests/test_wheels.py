@@ -143,3 +143,9 @@ def test_a_preset_brings_its_calibrated_detector_unless_the_command_line_says_ot
                                                             check_every=2)
     assert calibrated.config({"tau_entropy": 4.0}).detector.tau_entropy == 4.0
     assert Selection({}, None).config({}).detector == DetectorParams(), "models of no preset: the defaults"
+    assert Selection({}, None).config({}).helper_detector is None, "models of no preset: the helper unwatched"
+    coder = Selection({}, presets.Preset("coder", Path("b"), Path("h"), None, **presets.preset_spec(SHIPPED_MODELS / "coder")))
+    watched = coder.config({}).helper_detector
+    assert (watched.tau_entropy, watched.tau_compression, watched.text_window) == (3.0, 0.35, 256), \
+        "the coder preset watches its helper with the thresholds fitted for it, in the base's windows"
+    assert coder.config({"helper_tau_entropy": 0.0, "helper_tau_compression": 0.0}).helper_detector is None
