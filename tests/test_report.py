@@ -608,3 +608,17 @@ def test_viewer_renders_in_headless_chromium(runs, tmp_path):
     assert not re.search(r"Uncaught|SyntaxError|ReferenceError|TypeError|Refused to execute|violates the following|CONSOLE.*error",
                          logs, re.I), logs[-2000:]
     assert math.isfinite(record["timings"]["total"])
+
+
+def test_a_rule_setting_recorded_for_a_rule_that_does_not_use_it_does_not_split_a_configuration():
+    """Rows of base-first written while every scored rule recorded judge_max_budget, and rows written since, are
+    one configuration; where the rule uses the setting (regime), other values are other setups."""
+    from kvrescue_local.bench.metrics import setup_label
+
+    def row(choice, **settings):
+        return {"config": {"mode": "kvrescue", "choice": choice},
+                "setup": {"models": {}, "prompt_sha256": "0", "settings": {"helper_margin": 1.0, **settings}}}
+
+    assert setup_label(row("base-first", judge_max_budget=0)) == setup_label(row("base-first"))
+    assert setup_label(row("regime", judge_max_budget=0)) != setup_label(row("regime", judge_max_budget=32))
+    assert setup_label(row("base-first", helper_margin=0.5)) != setup_label(row("base-first"))

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..rescue import MODES, Mode, Trajectory
+from ..rescue.config import RULE_SETTINGS
 from ..rescue.record import LENGTH_CAPS
 from .results_file import AXIS_RECORDS, SOME_CONFIGURATIONS, differences
 
@@ -127,10 +128,14 @@ def setup_label(row: dict) -> str:
     setup = row.get("setup")
     if setup is None:
         return UNRECORDED
-    # a helper left unwatched (0 and 0) hashes as the rows from before its thresholds were settings
+    # a helper left unwatched (0 and 0) hashes as the rows from before its thresholds were settings, and a rule's
+    # parameter recorded for another rule (judge_max_budget, recorded for every scored rule until 2026-12-04) as
+    # the rows that do not record it
+    choice = str(row.get("config", {}).get("choice", "prm"))
     without_seed = {**{k: v for k, v in setup.items() if k not in AXIS_RECORDS},
                     "settings": {k: v for k, v in setup["settings"].items()
-                                 if k != "seed" and not (k in UNWATCHED_HELPER and v == 0.0)}}
+                                 if k != "seed" and not (k in UNWATCHED_HELPER and v == 0.0)
+                                 and not (k in RULE_SETTINGS and choice not in RULE_SETTINGS[k])}}
     return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
 
 
@@ -337,7 +342,9 @@ def setup_notes(items: list[Summary]) -> list[str]:
             else:
                 diff = differences(first.setup, other.setup, ignore=("seed",))
                 roles = sorted(set(first.setup["models"]) ^ set(other.setup["models"]))
-                what = "; ".join(diff) or f"models recorded for {', '.join(roles) or 'other roles'}"
+                one_sided = sorted(set(first.setup["settings"]) ^ set(other.setup["settings"]))
+                what = "; ".join(diff) or (f"models recorded for {', '.join(roles)}" if roles else
+                                           f"settings recorded by one only: {', '.join(one_sided)}")
             notes.append(f"{key.dataset + ' ' if key.dataset else ''}{key.label}: setup {first.key.setup} vs "
                          f"{other.key.setup}: {what}")
     if notes:
