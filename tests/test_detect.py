@@ -136,3 +136,17 @@ def test_bad_detector_settings():
         DetectorParams(tau_compression=0)
     with pytest.raises(KVRescueError):
         DetectorParams(entropy_window=0)
+
+
+def test_only_a_step_that_no_check_saw_is_checked_where_it_ends():
+    """A step as long as a check or longer was judged by its checks: its end adds none, so it cannot die there by
+    the chance of one more window near the threshold."""
+    ordinary = "".join(ORDINARY_STEPS).encode()
+    loop = b"a" * 256  # the window at the end would be all repetition
+    seen = Detector().monitor(ordinary)
+    for piece in [b"word "] * 8 + [loop]:
+        assert not seen.update(0.0, piece)
+    assert seen.n_tokens > seen.params.check_every and not seen.finish()
+    unseen = Detector().monitor(ordinary)
+    assert not unseen.update(0.0, loop)
+    assert unseen.finish() and unseen.killed == "repetition"

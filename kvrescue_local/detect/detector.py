@@ -93,10 +93,12 @@ class Monitor:
         return self.killed is not None
 
     def finish(self) -> bool:
-        """The candidate ended its step: check the text window once more unless its last token was checked, so a
-        loop of steps shorter than check_every tokens (each `\\]` and a blank line) is seen in the trajectory's
-        tail the window starts with. Returns True when the candidate must be killed."""
-        if self.killed is None and self.n_tokens % self.params.check_every != 0:
+        """The candidate ended its step: a step shorter than check_every tokens, which no check saw, is checked
+        once, so a loop of such steps (each `\\]` and a blank line) is seen in the trajectory's tail the window
+        starts with. A longer step is not checked again at its end: its checks saw it, and one more check at
+        an arbitrary token only adds a chance to kill a sound step near the threshold. Returns True when the
+        candidate must be killed."""
+        if self.killed is None and self.n_tokens < self.params.check_every:
             self.check_repetition()
         return self.killed is not None
 
