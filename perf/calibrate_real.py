@@ -131,11 +131,10 @@ def replay(args) -> None:
                 tokens = model.tokenize(step["text"], special=False)
                 for i, token in enumerate(tokens):
                     monitor.update(0.0, model.detokenize_bytes([int(token)], special=False))
+                    if i == len(tokens) - 1:
+                        monitor.finish()  # as the loop does where a step ends
                     if kill_at is None and monitor.min_compression < shipped.tau_compression:
                         kill_at = at + i + 1
-                monitor.finish()  # as the loop does where a step ends
-                if kill_at is None and monitor.min_compression < shipped.tau_compression:
-                    kill_at = at + len(tokens)
                 out.write(json.dumps({"dataset": row["dataset"], "id": row["id"], "setting": setting,
                                       "text": step["text"], **monitor.stats(), "max_mean_entropy": None}) + "\n")
                 text += step["text"].encode()

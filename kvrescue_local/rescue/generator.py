@@ -274,8 +274,10 @@ class Generator:
         cand.pending = token
         if cand.monitor is not None and cand.monitor.update(entropy, piece):
             cand.finished = "killed"
-        elif cand.text.endswith(STEP_END) or len(cand.tokens) >= self.max_step_tokens:
-            ending = "step" if cand.text.endswith(STEP_END) else "max_step"
+            return
+        ending = ("step" if cand.text.endswith(STEP_END) else
+                  "max_step" if len(cand.tokens) >= self.max_step_tokens else None)
+        if ending:
             cand.finished = "killed" if cand.monitor is not None and cand.monitor.finish() else ending
 
     def drop_candidates(self, slot: int) -> None:
