@@ -4,11 +4,12 @@
   calibrated`'s per-source calibration and `--choice base-first`'s helper margin (kvrescue_local/prmtrain/commit.py);
 - from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
   --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
-  regime rule the preset's default.
+  regime rule the preset's default; below it the judge's pick on the datasets of the rows the judge was trained on
+  (--judge-rows, the rollouts `prm train` read), the helper's step first on the others.
 A row of an evaluation problem is refused. With --write, the fitted settings are laid over what the file holds.
 
 Usage:
-  python3 perf/fit_commit.py ROWS.jsonl [more.jsonl ...] [--write models/coder/commit.json]
+  python3 perf/fit_commit.py ROWS.jsonl [more.jsonl ...] [--judge-rows ROLLOUTS.jsonl ...] [--write models/coder/commit.json]
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", type=Path, nargs="+", help="results files of training problems")
     parser.add_argument("--write", type=Path, help="store the fitted rule here (a preset's commit.json)")
+    parser.add_argument("--judge-rows", type=Path, nargs="+", default=[],
+                        help="the rollouts the judge's head was trained on (`prm train --rollouts`)")
     args = parser.parse_args()
     where = ", ".join(map(str, args.rows))
     try:
@@ -55,19 +58,21 @@ def main() -> None:
             fitted_on["calibration"] = {"rows": [p.name for p in args.rows], "problems": result.problems,
                                         "rounds": result.rounds, "steps": {k: list(v) for k, v in result.steps.items()}}
         if "bon" in modes:
-            regimes = fit_regime(rows, where)
+            judged = {str(r.get("dataset")) for path in args.judge_rows for r in read_rows(path)}
+            regimes = fit_regime(rows, where, judged)
             for regime in regimes:
-                print(f"{regime.dataset}: judge up to budget {regime.judge_max_budget} (evicted best-of-N / helper alone, "
-                      "solved of the training problems both ran)")
+                print(f"{regime.dataset}: {regime.weak_base_choice} up to budget {regime.judge_max_budget} (evicted "
+                      "best-of-N / helper alone, solved of the training problems both ran)")
                 for s in regime.scores:
                     print(f"  budget {s.budget}: {s.evicted} / {s.helper} of {s.problems}"
                           f"{'  (the base is the weaker)' if s.base_weaker else ''}")
                 datasets[regime.dataset] = regime.rule()
                 fitted_on.setdefault("regime", {})[regime.dataset] = {
                     "rows": [p.name for p in args.rows if any(str(r.get("dataset")) == regime.dataset for r in rows_of[p])],
-                    "budgets": {str(s.budget): [s.problems, s.evicted, s.helper] for s in regime.scores}}
+                    "budgets": {str(s.budget): [s.problems, s.evicted, s.helper] for s in regime.scores},
+                    "judge_rows": [p.name for p in args.judge_rows]}
             rule.update(default_rule(datasets.values()))
-            print(f"default (no dataset): judge up to budget {rule['judge_max_budget']}")
+            print(f"default (no dataset): {rule['weak_base_choice']} up to budget {rule['judge_max_budget']}")
     except KVRescueError as exc:
         sys.exit(f"Error: {exc}")
     if args.write:

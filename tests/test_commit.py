@@ -1,5 +1,5 @@
-"""Commit rules (`--choice base-first | calibrated`): the picks, their parameters recorded only where they matter,
-fitted on training problems only and stored with a preset; MATH500's split kept."""
+"""Commit rules (`--choice base-first | helper-first | calibrated | regime`): the picks, their parameters recorded
+only where they matter, fitted on training problems only and stored with a preset; MATH500's split kept."""
 
 import json
 
@@ -32,6 +32,18 @@ def test_base_first_commits_the_base_unless_none_survives_or_the_helper_wins_by_
     assert choose(round_, RescueConfig(n=2, choice="prm"), 0, 0) is round_[3]
     with pytest.raises(KVRescueError, match="--helper-margin must be in"):
         RescueConfig(helper_margin=1.5)
+
+
+def test_helper_first_mirrors_base_first_the_helper_leads_and_the_base_needs_the_margin():
+    config = RescueConfig(n=2, choice="helper-first", base_margin=0.05)
+    round_ = drafts(("base", 0.40), ("base", 0.58), ("helper", 0.54), ("helper", 0.30))
+    assert choose(round_, config, 0, 0) is round_[2], "the base's best is 0.04 above: within the margin"
+    round_[0].score = 0.60
+    assert choose(round_, config, 0, 0) is round_[0], "0.06 above the helper's best: over the margin"
+    assert choose(round_[:2], config, 0, 0) is round_[0], "no helper candidate survives"
+    assert choose(round_, RescueConfig(n=2, choice="helper-first"), 0, 0) is round_[2], "margin 1: the helper's step"
+    with pytest.raises(KVRescueError, match="--base-margin must be in"):
+        RescueConfig(base_margin=-0.1)
 
 
 def test_the_calibrated_rule_picks_the_survivor_most_probably_right():
@@ -139,8 +151,12 @@ def test_the_regime_rule_is_the_judge_up_to_its_budget_and_base_first_above():
     assert choose(round_, large, 0, 0) is round_[0], "at 64 the base's step"
     assert RescueConfig(choice="regime").rule == "base-first", "nothing fitted: the base's step first everywhere"
     assert RescueConfig(choice="random", judge_max_budget=512).rule == "random"
+    led = RescueConfig(n=1, choice="regime", judge_max_budget=32, weak_base_choice="helper-first", kv=KVBudget(budget=32))
+    assert led.rule == "helper-first" and choose(drafts(("base", 0.60), ("helper", 0.40)), led, 0, 0).side == "helper"
     with pytest.raises(KVRescueError, match="--judge-max-budget must be 0 or more"):
         RescueConfig(judge_max_budget=-1)
+    with pytest.raises(KVRescueError, match="unknown weak-base choice 'random'"):
+        RescueConfig(weak_base_choice="random")
 
 
 def sweep_row(dataset, problem_id, mode, correct, budget=0, n=1, policy="rkv"):
@@ -160,11 +176,16 @@ def test_the_regime_budget_is_fitted_per_dataset_on_training_rows_where_the_evic
     rows += [sweep_row("gsm8k", str(i), "helper", i < 4) for i in range(10)]
     rows += [sweep_row("gsm8k", str(i), "bon", i < 2, 64) for i in range(10)]
     rows += [sweep_row("gsm8k", str(i), "bon", i < 6, 128) for i in range(10)]
-    fits = {f.dataset: f for f in fit_regime(rows, "rows")}
+    fits = {f.dataset: f for f in fit_regime(rows, "rows", judged={"gsm8k"})}
     assert {d: f.judge_max_budget for d, f in fits.items()} == {"gsm8k": 64, "math500": 32}
     assert [(s.budget, s.problems, s.evicted, s.helper) for s in fits["math500"].scores] == [
         (32, 10, 1, 3), (64, 10, 3, 3), (128, 10, 1, 3)]
-    assert default_rule(f.rule() for f in fits.values()) == {"choice": "regime", "judge_max_budget": 32}
+    # the judge was trained on GSM8K's steps, not MATH500's: there the helper, the stronger writer, leads
+    assert {d: f.weak_base_choice for d, f in fits.items()} == {"gsm8k": "prm", "math500": "helper-first"}
+    assert default_rule(f.rule() for f in fits.values()) == {
+        "choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"}
+    assert default_rule([fits["gsm8k"].rule()])["weak_base_choice"] == "prm"
+    assert {f.weak_base_choice for f in fit_regime(rows, "rows")} == {"helper-first"}, "no judge rows: no dataset judged"
     stronger = [r for r in rows if not (r["dataset"] == "math500" and r["config"]["budget"] == 32)]
     assert {f.dataset: f.judge_max_budget for f in fit_regime(stronger, "rows")}["math500"] == 0
     with pytest.raises(KVRescueError, match="is an evaluation problem"):
@@ -193,13 +214,26 @@ def test_a_preset_holds_a_rule_per_dataset_and_the_regime_rule_runs_the_judge_or
     results = tmp_path / "regime.jsonl"
     ran = CliRunner().invoke(main, [
         "bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns", "1",
-        "--budgets", "32,64", "--results", str(results), "--choice", "prm,base-first,regime", "--judge-max-budget", "32"])
+        "--budgets", "32,64", "--results", str(results), "--choice", "prm,base-first,helper-first,regime",
+        "--judge-max-budget", "32"])
     assert ran.exit_code == 0, ran.output
-    sources = {(r["id"], r["config_key"]): "".join(s["source"][0] for s in r["trajectory"]["steps"])
-               for r in read_rows(results)}
+    led = tmp_path / "led.jsonl"
+    ran = CliRunner().invoke(main, [
+        "bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns", "1",
+        "--budgets", "32", "--results", str(led), "--choice", "regime", "--judge-max-budget", "32",
+        "--weak-base-choice", "helper-first"])
+    assert ran.exit_code == 0, ran.output
+    sources, led_sources = ({(r["id"], r["config_key"]): "".join(s["source"][0] for s in r["trajectory"]["steps"])
+                             for r in read_rows(path)} for path in (results, led))
     settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
     assert settings["kvrescue-b64-n1-rkv-regime"]["judge_max_budget"] == 32
+    assert settings["kvrescue-b32-n1-rkv-helper-first"]["base_margin"] == 1.0
     assert "judge_max_budget" not in settings["kvrescue-b64-n1-rkv-base-first"]
+    assert read_rows(led)[0]["setup"]["settings"]["weak_base_choice"] == "helper-first"
+    for problem in ("toy-0", "toy-1"):
+        helper_led = sources[problem, "kvrescue-b32-n1-rkv-helper-first"]
+        assert set(helper_led) == {"h"}, "no helper candidate died: every step is the helper's"
+        assert led_sources[problem, "kvrescue-b32-n1-rkv-regime"] == helper_led
     for problem in ("toy-0", "toy-1"):
         assert sources[problem, "kvrescue-b32-n1-rkv-regime"] == sources[problem, "kvrescue-b32-n1-rkv"]
         assert sources[problem, "kvrescue-b64-n1-rkv-regime"] == sources[problem, "kvrescue-b64-n1-rkv-base-first"]
@@ -208,7 +242,7 @@ def test_a_preset_holds_a_rule_per_dataset_and_the_regime_rule_runs_the_judge_or
         assert sources[problem, "kvrescue-b64-n1-rkv"] != sources[problem, "kvrescue-b64-n1-rkv-base-first"]
 
 
-def test_the_shipped_regime_budgets_are_refitted_from_the_committed_training_rows(tmp_path):
+def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(tmp_path):
     """perf/fit_commit.py on the committed training rows writes the coder preset's commit.json again; evaluation rows
     and rows with nothing to fit are one Error line each."""
     import subprocess
@@ -218,12 +252,13 @@ def test_the_shipped_regime_budgets_are_refitted_from_the_committed_training_row
     root = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(root / "perf/fit_commit.py")]
     training = [str(root / "results/coder-math500-train-regime.jsonl.zst"), str(root / "results/coder-gsm8k-n1.jsonl.zst")]
-    ran = subprocess.run([*script, *training, "--write", str(tmp_path / "commit.json")], capture_output=True, text=True)
+    ran = subprocess.run([*script, *training, "--judge-rows", training[1], "--write", str(tmp_path / "commit.json")],
+                         capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     shipped = json.loads((root / "models/coder/commit.json").read_text())
     refitted = json.loads((tmp_path / "commit.json").read_text())
     assert (refitted["rule"], refitted["datasets"]) == (shipped["rule"], shipped["datasets"])
-    assert "math500: judge up to budget 32" in ran.stdout and "gsm8k: judge up to budget 64" in ran.stdout
+    assert "math500: helper-first up to budget 32" in ran.stdout and "gsm8k: prm up to budget 64" in ran.stdout
     for rows, says in ((root / "results/coder-gsm8k-regime.jsonl.zst", "is an evaluation problem"),
                        (root / "results/coder-math500-train-prm32.jsonl", "all come from trajectories that ended wrong")):
         failed = subprocess.run([*script, str(rows)], capture_output=True, text=True)

@@ -10,6 +10,7 @@ from ..bench.estimate import scaled
 from ..errors import KVRescueError
 from ..files import json_text, write_output
 from ..rescue import RescueConfig
+from ..rescue.config import WEAK_BASE_CHOICES
 from ..runtime.context import CACHE_TYPES
 from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, THREADS, TOP_P, Finite, PromptTemplate
 
@@ -84,9 +85,15 @@ SEARCH_OPTIONS = [
     click.option("--helper-margin", type=Finite(0, 1),
                  help="--choice base-first: the helper's step is committed over the base's only when the PRM scores it "
                       f"more than this higher, or no base candidate survives {preset_default(DEFAULTS.helper_margin)}"),
+    click.option("--base-margin", type=Finite(0, 1),
+                 help="--choice helper-first: the base's step is committed over the helper's only when the PRM scores it "
+                      f"more than this higher, or no helper candidate survives {preset_default(DEFAULTS.base_margin)}"),
     click.option("--judge-max-budget", type=NON_NEGATIVE,
-                 help="--choice regime: the largest base budget at which the PRM's favourite is committed; above it the "
+                 help="--choice regime: the largest base budget at which --weak-base-choice commits; above it the "
                       f"rule is base-first {preset_default(DEFAULTS.judge_max_budget)}"),
+    click.option("--weak-base-choice", type=click.Choice(WEAK_BASE_CHOICES),
+                 help="--choice regime: the rule up to --judge-max-budget, where the evicted base is the weaker writer "
+                      f"{preset_default(DEFAULTS.weak_base_choice)}"),
     *detector_options("", "base", DEFAULTS.detector.tau_entropy, DEFAULTS.detector.tau_compression),
     *detector_options("helper-", "helper", DEFAULTS.helper_tau_entropy, DEFAULTS.helper_tau_compression,
                       " (0 and 0: the helper is not watched)"),

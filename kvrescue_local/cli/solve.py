@@ -38,8 +38,9 @@ def show(step: Step) -> None:
 @click.option("--policy", type=PolicySpecs(several=False), help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
 @click.option("--choice", type=click.Choice(CHOICES),
               help="how a round's winner is chosen: the PRM's favourite (prm), at random (seeded per round), the base's "
-                   "unless the helper's is better by --helper-margin (base-first), the most probably right (calibrated), "
-                   "or prm up to --judge-max-budget and base-first above (regime); docs/prm.md "
+                   "unless the helper's is better by --helper-margin (base-first), the helper's unless the base's is "
+                   "better by --base-margin (helper-first), the most probably right (calibrated), or --weak-base-choice "
+                   "up to --judge-max-budget and base-first above (regime); docs/prm.md "
                    f"{preset_default(DEFAULTS.choice)}")
 @search_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")

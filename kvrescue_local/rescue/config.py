@@ -19,13 +19,16 @@ from ..runtime.context import check_cache_types
 from .record import Mode
 
 # how a round's winner is chosen among its survivors: the PRM's favourite; at random (what the PRM's choice is worth);
-# the base's favourite unless the PRM prefers the helper's by more than helper_margin ("base-first"); the survivor
-# most probably right by each source's calibrated reward ("calibrated"); by the regime ("regime"): the PRM's favourite
-# at budgets up to judge_max_budget, where the evicted base writes worse steps than the helper, base-first above
-CHOICES = ("prm", "random", "base-first", "calibrated", "regime")
-SCORED_CHOICES = ("prm", "base-first", "calibrated", "regime")  # the choices a PRM scores the survivors for
-RULE_SETTINGS = {"pick_margin": ("prm", "base-first", "regime"), "helper_margin": ("base-first", "regime"),
-                 "calibration": ("calibrated",), "judge_max_budget": ("regime",)}
+# the base's favourite unless the PRM prefers the helper's by more than helper_margin ("base-first"); the helper's
+# favourite unless the PRM prefers the base's by more than base_margin ("helper-first"); the survivor most probably
+# right by each source's calibrated reward ("calibrated"); by the regime ("regime"): weak_base_choice at budgets up to
+# judge_max_budget, where the evicted base writes worse steps than the helper, base-first above
+CHOICES = ("prm", "random", "base-first", "helper-first", "calibrated", "regime")
+SCORED_CHOICES = ("prm", "base-first", "helper-first", "calibrated", "regime")  # the choices a PRM scores the survivors for
+WEAK_BASE_CHOICES = ("prm", "helper-first")  # the regime's rule where the base is the weaker writer
+RULE_SETTINGS = {"pick_margin": ("prm", "base-first", "helper-first", "regime"), "helper_margin": ("base-first", "regime"),
+                 "base_margin": ("helper-first", "regime"), "calibration": ("calibrated",),
+                 "judge_max_budget": ("regime",), "weak_base_choice": ("regime",)}
 SOME_SETTINGS = (*RULE_SETTINGS, "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
 IDENTITY_CALIBRATION = (1.0, 0.0, 1.0, 0.0)  # base slope, base bias, helper slope, helper bias: P = sigmoid(slope·r + bias)
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
@@ -71,13 +74,20 @@ class RescueConfig:
     # with choice "base-first": the helper's best survivor is committed over the base's best only when its reward is
     # higher by more than this (or no base candidate survives); 1: only then, as a reward lies in [0, 1]
     helper_margin: float = 1.0
+    # with choice "helper-first", its mirror: the base's best survivor is committed over the helper's best only when its
+    # reward is higher by more than this (or no helper candidate survives); 1: only then
+    base_margin: float = 1.0
     # with choice "calibrated": each source's reward r mapped to P(step right) = sigmoid(slope·r + bias), fitted on
     # the labelled steps of training problems (rescue/calibration.py), as IDENTITY_CALIBRATION's four numbers
     calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
-    # with choice "regime": the largest base budget at which the PRM's favourite is committed ("prm"); above it the
-    # rule is base-first. Fitted on training problems (prmtrain/regime.py): the budgets where evicted best-of-N solved
-    # fewer of them than the helper alone. 0: base-first at every budget, the base's own trajectory until a kill
+    # with choice "regime": the largest base budget at which weak_base_choice commits; above it the rule is
+    # base-first. Fitted on training problems (prmtrain/regime.py): the budgets where evicted best-of-N solved fewer of
+    # them than the helper alone. 0: base-first at every budget, the base's own trajectory until a kill
     judge_max_budget: int = 0
+    # with choice "regime", the rule where the base is the weaker writer: the PRM's favourite ("prm", as every regime
+    # row before this setting), or the helper's step first ("helper-first") where the PRM is not known to rank the
+    # dataset's steps (prmtrain/regime.py)
+    weak_base_choice: str = "prm"
     # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
     # helper is not watched, the default, as in every row written before these settings. A round whose candidates
     # all die commits the least degenerate (Step.fallback)
@@ -105,8 +115,12 @@ class RescueConfig:
                 raise KVRescueError(f"the helper's detector takes both thresholds: --helper-tau-entropy > 0 (nats) and "
                                     f"--helper-tau-compression in (0, 1.5) (got {self.helper_tau_entropy}, "
                                     f"{self.helper_tau_compression}); 0 and 0 leave the helper unwatched")
-        if not 0 <= self.helper_margin <= 1:
-            raise KVRescueError(f"--helper-margin must be in [0, 1], a difference of rewards (got {self.helper_margin})")
+        for option, margin in (("--helper-margin", self.helper_margin), ("--base-margin", self.base_margin)):
+            if not 0 <= margin <= 1:
+                raise KVRescueError(f"{option} must be in [0, 1], a difference of rewards (got {margin})")
+        if self.weak_base_choice not in WEAK_BASE_CHOICES:
+            raise KVRescueError(f"unknown weak-base choice {self.weak_base_choice!r}: use one of "
+                                f"{', '.join(WEAK_BASE_CHOICES)}")
         if self.judge_max_budget < 0:
             raise KVRescueError(f"--judge-max-budget must be 0 or more, a KV budget (got {self.judge_max_budget})")
         if self.choice not in CHOICES:
@@ -121,7 +135,7 @@ class RescueConfig:
         """The commit rule the rounds follow: the choice, with "regime" resolved by the base's budget."""
         if self.choice != "regime":
             return self.choice
-        return "prm" if self.kv.budget <= self.judge_max_budget else "base-first"
+        return self.weak_base_choice if self.kv.budget <= self.judge_max_budget else "base-first"
 
     @property
     def helper_detector(self) -> DetectorParams | None:

@@ -83,14 +83,16 @@ def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: 
     """The round's winner by config.choice (a lone survivor is unscored): "prm", the PRM's favourite, or the first
     survivor within config.pick_margin of it; "random", one drawn by a seed of the run's seed (`seed`, else the
     config's), the problem's key and the round (reproducible, and not the same draw on every problem);
-    "base-first" and "calibrated", see base_first and most_probable; "regime", one of "prm" and "base-first" by the
-    base's budget (RescueConfig.rule)."""
+    "base-first", "helper-first" and "calibrated", see lead and most_probable; "regime", one of those by the base's
+    budget (RescueConfig.rule)."""
     rule = config.rule
     if rule == "random":
         rng = np.random.default_rng([config.seed if seed is None else seed, key, round_index])
         return survivors[int(rng.integers(len(survivors)))]
     if rule == "base-first":
-        return base_first(survivors, config)
+        return lead(survivors, "base", config.helper_margin, config.pick_margin)
+    if rule == "helper-first":
+        return lead(survivors, "helper", config.base_margin, config.pick_margin)
     if rule == "calibrated":
         return most_probable(survivors, config.calibration)
     return favourite(survivors, config.pick_margin)
@@ -106,16 +108,16 @@ def favourite(survivors: list[Draft], pick_margin: float) -> Draft:
     return next(c for c in survivors if reward(c) >= best - pick_margin)
 
 
-def base_first(survivors: list[Draft], config: RescueConfig) -> Draft:
-    """The base's favourite survivor, unless none survives or the helper's favourite scores more than
-    config.helper_margin above it: with one base candidate a round, no kill and the margin never exceeded, the
+def lead(survivors: list[Draft], side: str, margin: float, pick_margin: float) -> Draft:
+    """`side`'s favourite survivor, unless none survives or the other side's favourite scores more than `margin`
+    above it. With the base leading, one base candidate a round, no kill and the margin never exceeded, the
     trajectory is evicted best-of-N's (the base's seeds and sequences are the same in both modes)."""
-    base = [c for c in survivors if c.side == "base"]
-    helper = [c for c in survivors if c.side != "base"]
-    if not base or not helper:
-        return favourite(base or helper, config.pick_margin)
-    ours, theirs = favourite(base, config.pick_margin), favourite(helper, config.pick_margin)
-    return theirs if reward(theirs) - reward(ours) > config.helper_margin else ours
+    ours = [c for c in survivors if c.side == side]
+    theirs = [c for c in survivors if c.side != side]
+    if not ours or not theirs:
+        return favourite(ours or theirs, pick_margin)
+    leader, other = favourite(ours, pick_margin), favourite(theirs, pick_margin)
+    return other if reward(other) - reward(leader) > margin else leader
 
 
 def calibrated(calibration: tuple[float, ...], side: str, value: float) -> float:
