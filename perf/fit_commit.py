@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Fit the commit rules' parameters on rows of training problems, and store them with a preset:
 - from KV-Rescue rows with the PRM choosing (`bench run --split train --modes kvrescue --ns 1`): `--choice
-  calibrated`'s per-source calibration and `--choice base-first`'s helper margin (kvrescue_local/prmtrain/commit.py);
+  calibrated`'s per-source calibration and `--choice base-first`'s helper margin, per dataset
+  (kvrescue_local/prmtrain/commit.py);
 - from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
   --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
   regime rule the preset's default; below it the judge's pick on the datasets of the rows the judge was trained on
-  (--judge-rows, the rollouts `prm train` read), the helper's step first on the others.
+  (--judge-rows, the rollouts `prm train` read), calibrated where a calibration was fitted for the dataset, the
+  helper's step first on the others.
 A row of an evaluation problem is refused. With --write, the fitted settings are laid over what the file holds.
 
 Usage:
@@ -23,6 +25,11 @@ from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.prmtrain.commit import fit
 from kvrescue_local.prmtrain.regime import default_rule, fit_regime
+
+
+def kvrescue_of(dataset: str, rows: list[dict]) -> list[dict]:
+    """The KV-Rescue rows of one dataset."""
+    return [r for r in rows if str(r.get("dataset")) == dataset and (r.get("config") or {}).get("mode") == "kvrescue"]
 
 
 def main() -> None:
@@ -46,27 +53,31 @@ def main() -> None:
             raise KVRescueError(f"{where} hold no KV-Rescue or evicted best-of-N rows to fit on: pass results of "
                                 "`bench run --split train` (see the usage above)")
         if "kvrescue" in modes:
-            result = fit(rows, where)
-            base_slope, base_bias, helper_slope, helper_bias = result.calibration
-            print(f"{result.rounds} scored rounds with a base and a helper survivor, of {result.problems} training problems")
-            for source, (steps, right) in result.steps.items():
-                print(f"  committed {source} steps: {steps}, {right} in trajectories that ended right")
-            print(f"calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
-                  f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
-            print(f"base-first helper margin: {result.helper_margin}")
-            rule.update(result.rule())
-            fitted_on["calibration"] = {"rows": [p.name for p in args.rows], "problems": result.problems,
-                                        "rounds": result.rounds, "steps": {k: list(v) for k, v in result.steps.items()}}
+            for dataset in sorted({str(r.get("dataset")) for r in rows if (r.get("config") or {}).get("mode") == "kvrescue"}):
+                result = fit(kvrescue_of(dataset, rows), f"{where} ({dataset})")
+                base_slope, base_bias, helper_slope, helper_bias = result.calibration
+                print(f"{dataset}: {result.rounds} scored rounds with a base and a helper survivor, of {result.problems} "
+                      "training problems")
+                for source, (steps, right) in result.steps.items():
+                    print(f"  committed {source} steps: {steps}, {right} in trajectories that ended right")
+                print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
+                      f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
+                print(f"  base-first helper margin: {result.helper_margin}")
+                datasets[dataset] = {**datasets.get(dataset, {}), **result.rule()}
+                fitted_on.setdefault("calibration", {})[dataset] = {
+                    "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])], "problems": result.problems, "rounds": result.rounds,
+                    "steps": {k: list(v) for k, v in result.steps.items()}}
         if "bon" in modes:
             judged = {str(r.get("dataset")) for path in args.judge_rows for r in read_rows(path)}
-            regimes = fit_regime(rows, where, judged)
+            calibrated = {dataset for dataset, fitted in datasets.items() if "calibration" in fitted}
+            regimes = fit_regime(rows, where, judged, calibrated)
             for regime in regimes:
                 print(f"{regime.dataset}: {regime.weak_base_choice} up to budget {regime.judge_max_budget} (evicted "
                       "best-of-N / helper alone, solved of the training problems both ran)")
                 for s in regime.scores:
                     print(f"  budget {s.budget}: {s.evicted} / {s.helper} of {s.problems}"
                           f"{'  (the base is the weaker)' if s.base_weaker else ''}")
-                datasets[regime.dataset] = regime.rule()
+                datasets[regime.dataset] = {**datasets.get(regime.dataset, {}), **regime.rule()}
                 fitted_on.setdefault("regime", {})[regime.dataset] = {
                     "rows": [p.name for p in args.rows if any(str(r.get("dataset")) == regime.dataset for r in rows_of[p])],
                     "budgets": {str(s.budget): [s.problems, s.evicted, s.helper] for s in regime.scores},

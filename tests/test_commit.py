@@ -186,6 +186,8 @@ def test_the_regime_budget_is_fitted_per_dataset_on_training_rows_where_the_evic
         "choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"}
     assert default_rule([fits["gsm8k"].rule()])["weak_base_choice"] == "prm"
     assert {f.weak_base_choice for f in fit_regime(rows, "rows")} == {"helper-first"}, "no judge rows: no dataset judged"
+    calibrated = {f.dataset: f.weak_base_choice for f in fit_regime(rows, "rows", {"gsm8k"}, calibrated={"gsm8k", "math500"})}
+    assert calibrated == {"gsm8k": "calibrated", "math500": "helper-first"}, "a calibration serves a judged dataset only"
     stronger = [r for r in rows if not (r["dataset"] == "math500" and r["config"]["budget"] == 32)]
     assert {f.dataset: f.judge_max_budget for f in fit_regime(stronger, "rows")}["math500"] == 0
     with pytest.raises(KVRescueError, match="is an evaluation problem"):
@@ -265,6 +267,23 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
         errors = [line for line in failed.stderr.splitlines() if line.startswith("Error:")]
         assert failed.returncode == 1 and len(errors) == 1 and says in errors[0], failed.stderr
         assert "Traceback" not in failed.stderr
+    # KV-Rescue rows of MATH500's training problems: a calibration for MATH500 alone, and where the judge's training
+    # steps were MATH500's, its weak-base rule is calibrated; GSM8K's stays the judge's pick, the rule's stays unfitted
+    ids = [p.id for p in load_dataset("math500", split="train").problems[:20]]
+    kvrescue = tmp_path / "kvrescue.jsonl"
+    kvrescue.write_text("".join(json.dumps(row(i, k % 2 == 0, [("base", 0.5, 0.6), ("helper", 0.4, 0.7)])) + "\n"
+                                for k, i in enumerate(ids)))
+    judge_rows = tmp_path / "judge.jsonl"
+    judge_rows.write_text("".join(json.dumps(r) + "\n" for r in read_rows(Path(training[1])) + read_rows(Path(training[0]))))
+    ran = subprocess.run([*script, *training, str(kvrescue), "--judge-rows", str(judge_rows),
+                          "--write", str(tmp_path / "calibrated.json")], capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    fitted = json.loads((tmp_path / "calibrated.json").read_text())
+    assert fitted["datasets"]["math500"]["weak_base_choice"] == "calibrated"
+    assert len(fitted["datasets"]["math500"]["calibration"]) == 4 and "helper_margin" in fitted["datasets"]["math500"]
+    assert fitted["datasets"]["gsm8k"]["weak_base_choice"] == "prm" and "calibration" not in fitted["datasets"]["gsm8k"]
+    assert "calibration" not in fitted["rule"] and fitted["rule"]["weak_base_choice"] == "prm"
+    assert fitted["fit"]["calibration"]["math500"]["rows"] == ["kvrescue.jsonl"]
     helper_only = tmp_path / "helper.jsonl"
     helper_only.write_text("".join(json.dumps(r) + "\n" for r in read_rows(Path(training[1]))
                                    if r["config"]["mode"] == "helper"))

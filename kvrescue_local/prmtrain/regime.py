@@ -9,7 +9,8 @@ already favours the base. It is fitted per dataset: the regime belongs to the pa
 alone (the training problems of GSM8K and MATH500 put the crossing at different budgets: docs/prm.md).
 
 Where the base is the weaker writer, the rule is the judge's pick on a dataset whose training steps the judge was
-trained on (its rows are given: the judge's ranking of that dataset's steps was cross-validated there), and the
+trained on (its rows are given: the judge's ranking of that dataset's steps was cross-validated there), calibrated
+per source where KV-Rescue rows of the dataset's training problems fitted a calibration, and the
 helper's step first elsewhere: a judge not known to rank a dataset's steps would let the weaker writer's steps in
 on a guess (on MATH500 the GSM8K-trained judge scored the weaker helper's steps higher on average).
 """
@@ -41,7 +42,7 @@ class RegimeFit:
     dataset: str
     scores: tuple[BudgetScore, ...]  # by budget, ascending
     judge_max_budget: int
-    weak_base_choice: str  # "prm" where the judge was trained on the dataset's steps, else "helper-first"
+    weak_base_choice: str  # "prm" ("calibrated" with a calibration) where the judge was trained on the dataset's steps, else "helper-first"
 
     def rule(self) -> dict:
         return {"choice": "regime", "judge_max_budget": self.judge_max_budget, "weak_base_choice": self.weak_base_choice}
@@ -53,11 +54,12 @@ def one_candidate(rows: list[dict], mode: str) -> list[dict]:
             and (r.get("config") or {}).get("n") == 1]
 
 
-def fit_regime(rows: list[dict], where: str, judged: Iterable[str] = ()) -> list[RegimeFit]:
+def fit_regime(rows: list[dict], where: str, judged: Iterable[str] = (), calibrated: Iterable[str] = ()) -> list[RegimeFit]:
     """Per dataset, the regime budget from evicted best-of-N (N = 1, one eviction policy) and helper-alone rows of
     its training problems (any evaluation row is refused); `judged`: the datasets whose training steps trained the
-    judge, where the weak base's rule is the judge's pick."""
-    judged = set(judged)
+    judge, where the weak base's rule is the judge's pick, calibrated on those of them in `calibrated` (a
+    calibration fitted on the dataset's training rows: commit.py)."""
+    judged, calibrated = set(judged), set(calibrated)
     check_split(rows, "train", where)
     fits = []
     for dataset in sorted({str(r.get("dataset")) for r in rows}):
@@ -84,8 +86,8 @@ def fit_regime(rows: list[dict], where: str, judged: Iterable[str] = ()) -> list
                 break
             judge_max_budget = score.budget
         if scores:
-            fits.append(RegimeFit(dataset, tuple(scores), judge_max_budget,
-                                  "prm" if dataset in judged else "helper-first"))
+            fits.append(RegimeFit(dataset, tuple(scores), judge_max_budget, "helper-first" if dataset not in judged
+                                  else "calibrated" if dataset in calibrated else "prm"))
     if not fits:
         raise KVRescueError(f"{where}: no dataset has both evicted best-of-N and helper-alone rows at N = 1 on the same "
                             "training problems: run `bench run --split train --modes bon,helper --ns 1 --budgets ...`")
@@ -97,6 +99,6 @@ def default_rule(rules: Iterable[dict]) -> dict:
     smallest fitted budget, where the base was the weaker writer on every dataset measured, and there the helper's
     step first unless the judge was trained on every dataset's steps (it was not on the problem's)."""
     rules = list(rules)
-    judged = all(r.get("weak_base_choice", "prm") == "prm" for r in rules)
+    judged = all(r.get("weak_base_choice", "prm") != "helper-first" for r in rules)
     return {"choice": "regime", "judge_max_budget": min(r["judge_max_budget"] for r in rules),
             "weak_base_choice": "prm" if judged else "helper-first"}

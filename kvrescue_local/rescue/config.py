@@ -25,9 +25,9 @@ from .record import Mode
 # judge_max_budget, where the evicted base writes worse steps than the helper, base-first above
 CHOICES = ("prm", "random", "base-first", "helper-first", "calibrated", "regime")
 SCORED_CHOICES = ("prm", "base-first", "helper-first", "calibrated", "regime")  # the choices a PRM scores the survivors for
-WEAK_BASE_CHOICES = ("prm", "helper-first")  # the regime's rule where the base is the weaker writer
+WEAK_BASE_CHOICES = ("prm", "calibrated", "helper-first")  # the regime's rule where the base is the weaker writer
 RULE_SETTINGS = {"pick_margin": ("prm", "base-first", "helper-first", "regime"), "helper_margin": ("base-first", "regime"),
-                 "base_margin": ("helper-first", "regime"), "calibration": ("calibrated",),
+                 "base_margin": ("helper-first", "regime"), "calibration": ("calibrated", "regime"),
                  "judge_max_budget": ("regime",), "weak_base_choice": ("regime",)}
 SOME_SETTINGS = (*RULE_SETTINGS, "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
 IDENTITY_CALIBRATION = (1.0, 0.0, 1.0, 0.0)  # base slope, base bias, helper slope, helper bias: P = sigmoid(slope·r + bias)
@@ -85,8 +85,8 @@ class RescueConfig:
     # them than the helper alone. 0: base-first at every budget, the base's own trajectory until a kill
     judge_max_budget: int = 0
     # with choice "regime", the rule where the base is the weaker writer: the PRM's favourite ("prm", as every regime
-    # row before this setting), or the helper's step first ("helper-first") where the PRM is not known to rank the
-    # dataset's steps (prmtrain/regime.py)
+    # row before this setting), calibrated per source ("calibrated"), or the helper's step first ("helper-first")
+    # where the PRM is not known to rank the dataset's steps (prmtrain/regime.py)
     weak_base_choice: str = "prm"
     # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
     # helper is not watched, the default, as in every row written before these settings. A round whose candidates
