@@ -65,7 +65,8 @@ def main() -> None:
                 print(f"  base-first helper margin: {result.helper_margin}")
                 datasets[dataset] = {**datasets.get(dataset, {}), **result.rule()}
                 fitted_on.setdefault("calibration", {})[dataset] = {
-                    "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])], "problems": result.problems, "rounds": result.rounds,
+                    "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])],
+                    "problems": result.problems, "rounds": result.rounds,
                     "steps": {k: list(v) for k, v in result.steps.items()}}
         if "bon" in modes:
             judged = {str(r.get("dataset")) for path in args.judge_rows for r in read_rows(path)}

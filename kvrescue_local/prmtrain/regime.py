@@ -42,7 +42,8 @@ class RegimeFit:
     dataset: str
     scores: tuple[BudgetScore, ...]  # by budget, ascending
     judge_max_budget: int
-    weak_base_choice: str  # "prm" ("calibrated" with a calibration) where the judge was trained on the dataset's steps, else "helper-first"
+    # "prm" ("calibrated" with a calibration) where the judge was trained on the dataset's steps, else "helper-first"
+    weak_base_choice: str
 
     def rule(self) -> dict:
         return {"choice": "regime", "judge_max_budget": self.judge_max_budget, "weak_base_choice": self.weak_base_choice}
