@@ -21,29 +21,20 @@ def drafts(*pairs):
     return [Draft(side, i, -1, score=score) for i, (side, score) in enumerate(pairs)]
 
 
-def test_base_first_commits_the_base_unless_none_survives_or_the_helper_wins_by_the_margin():
-    config = RescueConfig(n=2, choice="base-first", helper_margin=0.05)
-    round_ = drafts(("base", 0.40), ("base", 0.50), ("helper", 0.54), ("helper", 0.30))
-    assert choose(round_, config, 0, 0) is round_[1], "the helper's best is 0.04 above: within the margin"
+@pytest.mark.parametrize("choice, leader, other, margin", [("base-first", "base", "helper", "helper_margin"),
+                                                         ("helper-first", "helper", "base", "base_margin")])
+def test_a_leading_side_is_committed_unless_none_of_it_survives_or_the_other_wins_by_the_margin(choice, leader, other,
+                                                                                                 margin):
+    config = RescueConfig(n=2, choice=choice, **{margin: 0.05})
+    round_ = drafts((leader, 0.40), (leader, 0.50), (other, 0.54), (other, 0.30))
+    assert choose(round_, config, 0, 0) is round_[1], f"the {other}'s best is 0.04 above: within the margin"
     round_[3].score = 0.56
-    assert choose(round_, config, 0, 0) is round_[3], "0.06 above the base's best: over the margin"
-    assert choose(round_[2:], config, 0, 0) is round_[3], "no base candidate survives"
-    assert choose(round_, RescueConfig(n=2, choice="base-first", helper_margin=1.0), 0, 0) is round_[1]
+    assert choose(round_, config, 0, 0) is round_[3], f"0.06 above the {leader}'s best: over the margin"
+    assert choose(round_[2:], config, 0, 0) is round_[3], f"no {leader} candidate survives"
+    assert choose(round_, RescueConfig(n=2, choice=choice, **{margin: 1.0}), 0, 0) is round_[1]
     assert choose(round_, RescueConfig(n=2, choice="prm"), 0, 0) is round_[3]
-    with pytest.raises(KVRescueError, match="--helper-margin must be in"):
-        RescueConfig(helper_margin=1.5)
-
-
-def test_helper_first_mirrors_base_first_the_helper_leads_and_the_base_needs_the_margin():
-    config = RescueConfig(n=2, choice="helper-first", base_margin=0.05)
-    round_ = drafts(("base", 0.40), ("base", 0.58), ("helper", 0.54), ("helper", 0.30))
-    assert choose(round_, config, 0, 0) is round_[2], "the base's best is 0.04 above: within the margin"
-    round_[0].score = 0.60
-    assert choose(round_, config, 0, 0) is round_[0], "0.06 above the helper's best: over the margin"
-    assert choose(round_[:2], config, 0, 0) is round_[0], "no helper candidate survives"
-    assert choose(round_, RescueConfig(n=2, choice="helper-first"), 0, 0) is round_[2], "margin 1: the helper's step"
-    with pytest.raises(KVRescueError, match="--base-margin must be in"):
-        RescueConfig(base_margin=-0.1)
+    with pytest.raises(KVRescueError, match=f"--{margin.replace('_', '-')} must be in"):
+        RescueConfig(**{margin: 1.5})
 
 
 def test_the_calibrated_rule_picks_the_survivor_most_probably_right():
