@@ -99,7 +99,8 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
     return Preset(name, **files, helper_head=directory / "helper.head.npz", **preset_spec(directory))
 
 
-COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "judge_max_budget", "weak_base_choice")  # a commit.json's fitted rule settings
+# a commit.json's fitted rule settings
+COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "judge_max_budget", "weak_base_choice")
 
 
 def preset_spec(directory: Path) -> dict:

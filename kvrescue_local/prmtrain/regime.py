@@ -11,8 +11,7 @@ alone (the training problems of GSM8K and MATH500 put the crossing at different 
 Where the base is the weaker writer, the rule is the judge's pick on a dataset whose training steps the judge was
 trained on (its rows are given: the judge's ranking of that dataset's steps was cross-validated there), calibrated
 per source where KV-Rescue rows of the dataset's training problems fitted a calibration, and the
-helper's step first elsewhere: a judge not known to rank a dataset's steps would let the weaker writer's steps in
-on a guess (on MATH500 the GSM8K-trained judge scored the weaker helper's steps higher on average).
+helper's step first elsewhere: a judge not known to rank a dataset's steps would pick between the writers on a guess.
 """
 
 from __future__ import annotations
