@@ -32,6 +32,15 @@ def kvrescue_of(dataset: str, rows: list[dict]) -> list[dict]:
     return [r for r in rows if str(r.get("dataset")) == dataset and (r.get("config") or {}).get("mode") == "kvrescue"]
 
 
+def rows_in(path: Path, what: str) -> list[dict]:
+    """A results file's rows; a missing or empty file is an error (read_rows gives nothing for it, as a sweep about to
+    start one needs), which would otherwise fit on less than was meant without a word."""
+    rows = read_rows(path)
+    if not rows:
+        raise KVRescueError(f"{path} holds no rows: pass {what}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", type=Path, nargs="+", help="results files of training problems")
@@ -46,7 +55,7 @@ def main() -> None:
         sys.exit(f"Error: cannot read {args.write} ({exc}): restore it from the repository or remove it")
     rule, datasets, fitted_on = dict(stored.get("rule", {})), dict(stored.get("datasets", {})), dict(stored.get("fit", {}))
     try:
-        rows_of = {path: read_rows(path) for path in args.rows}
+        rows_of = {path: rows_in(path, "results files of `bench run --split train`") for path in args.rows}
         rows = [row for path in args.rows for row in rows_of[path]]
         modes = {(r.get("config") or {}).get("mode") for r in rows}
         if not modes & {"kvrescue", "bon"}:
@@ -69,7 +78,8 @@ def main() -> None:
                     "problems": result.problems, "rounds": result.rounds,
                     "steps": {k: list(v) for k, v in result.steps.items()}}
         if "bon" in modes:
-            judged = {str(r.get("dataset")) for path in args.judge_rows for r in read_rows(path)}
+            judged = {str(r.get("dataset")) for path in args.judge_rows
+                      for r in rows_in(path, "to --judge-rows the rollouts the judge's head was trained on")}
             calibrated = {dataset for dataset, fitted in datasets.items() if "calibration" in fitted}
             regimes = fit_regime(rows, where, judged, calibrated)
             for regime in regimes:

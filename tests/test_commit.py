@@ -275,6 +275,10 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
     assert fitted["datasets"]["gsm8k"]["weak_base_choice"] == "prm" and "calibration" not in fitted["datasets"]["gsm8k"]
     assert "calibration" not in fitted["rule"] and fitted["rule"]["weak_base_choice"] == "prm"
     assert fitted["fit"]["calibration"]["math500"]["rows"] == ["kvrescue.jsonl"]
+    for missing in ([str(tmp_path / "nope.jsonl")], [*training, "--judge-rows", str(tmp_path / "nope.jsonl")]):
+        failed = subprocess.run([*script, *missing], capture_output=True, text=True)
+        assert failed.returncode == 1 and failed.stderr.startswith("Error:") and "nope.jsonl holds no rows" in failed.stderr
+        assert "Traceback" not in failed.stderr
     helper_only = tmp_path / "helper.jsonl"
     helper_only.write_text("".join(json.dumps(r) + "\n" for r in read_rows(Path(training[1]))
                                    if r["config"]["mode"] == "helper"))
