@@ -244,14 +244,15 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
 
     root = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(root / "perf/fit_commit.py")]
-    training = [str(root / "results/coder-math500-train-regime.jsonl.zst"), str(root / "results/coder-gsm8k-n1.jsonl.zst")]
+    training = [str(root / f"results/{name}.jsonl.zst")
+                for name in ("coder-math500-train-regime", "coder-gsm8k-n1", "coder-gsm8k-train-judge64")]
     ran = subprocess.run([*script, *training, "--judge-rows", training[1], "--write", str(tmp_path / "commit.json")],
                          capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     shipped = json.loads((root / "models/coder/commit.json").read_text())
     refitted = json.loads((tmp_path / "commit.json").read_text())
     assert (refitted["rule"], refitted["datasets"]) == (shipped["rule"], shipped["datasets"])
-    assert "math500: helper-first up to budget 32" in ran.stdout and "gsm8k: prm up to budget 64" in ran.stdout
+    assert "math500: helper-first up to budget 32" in ran.stdout and "gsm8k: calibrated up to budget 64" in ran.stdout
     for rows, says in ((root / "results/coder-gsm8k-regime.jsonl.zst", "is an evaluation problem"),
                        (root / "results/coder-math500-train-prm32.jsonl", "all come from trajectories that ended wrong")):
         failed = subprocess.run([*script, str(rows)], capture_output=True, text=True)
@@ -259,14 +260,15 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
         assert failed.returncode == 1 and len(errors) == 1 and says in errors[0], failed.stderr
         assert "Traceback" not in failed.stderr
     # KV-Rescue rows of MATH500's training problems: a calibration for MATH500 alone, and where the judge's training
-    # steps were MATH500's, its weak-base rule is calibrated; GSM8K's stays the judge's pick, the rule's stays unfitted
+    # steps were MATH500's, its weak-base rule is calibrated; GSM8K's, with no KV-Rescue rows of its own here, stays the
+    # judge's pick, the rule's stays unfitted
     ids = [p.id for p in load_dataset("math500", split="train").problems[:20]]
     kvrescue = tmp_path / "kvrescue.jsonl"
     kvrescue.write_text("".join(json.dumps(row(i, k % 2 == 0, [("base", 0.5, 0.6), ("helper", 0.4, 0.7)])) + "\n"
                                 for k, i in enumerate(ids)))
     judge_rows = tmp_path / "judge.jsonl"
     judge_rows.write_text("".join(json.dumps(r) + "\n" for r in read_rows(Path(training[1])) + read_rows(Path(training[0]))))
-    ran = subprocess.run([*script, *training, str(kvrescue), "--judge-rows", str(judge_rows),
+    ran = subprocess.run([*script, *training[:2], str(kvrescue), "--judge-rows", str(judge_rows),
                           "--write", str(tmp_path / "calibrated.json")], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     fitted = json.loads((tmp_path / "calibrated.json").read_text())
