@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from kvrescue_local.bench.estimate import BUILTIN, estimate, parse_contexts, qwen2_spec, resolve_model, spec_from_gguf
 from kvrescue_local.bench.metrics import (accuracy_recovered, choice_comparisons, oracles, result_line,
-                                         setup_comparisons, summaries)
+                                         setup_comparisons, setup_label, summaries)
 from kvrescue_local.bench.report import load_results, render
 from kvrescue_local.bench.run import results_config, sweep_axes
 from kvrescue_local.cli.report import estimate_command, report
@@ -237,6 +237,28 @@ def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(t
             f"{c.a_pass1:.1f}% vs {c.b_pass1:.1f}% (difference {difference:+.1f} points, 95% paired bootstrap "
             f"interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
     assert "setup " not in render(rows, pool_setups=True).replace("setups ", "")
+
+
+def test_a_setup_note_names_settings_one_setup_records_beside_those_both_do(tmp_path):
+    """Regime rows from before the weak-base rule was a setting against rows fitted since: the note names the margin
+    both record and the rule and calibration only the later ones record, with their values."""
+    rows = []
+    for settings, outcomes in (({"helper_margin": 1.0}, [True, False]),
+                               ({"helper_margin": 0.0, "weak_base_choice": "calibrated", "calibration": [2.0, -2.0, 2.0, -1.0]},
+                                [True, True])):
+        for row in synthetic("kvrescue", 1, 64, outcomes):
+            row["config"]["choice"] = "regime"
+            row["setup"] = {"models": {}, "prompt_sha256": "p", "settings": settings}
+            rows.append(row)
+    notes = [line for line in render(load_results(write_jsonl(tmp_path / "r.jsonl", rows))).splitlines()
+             if "kvrescue/regime b64 n1 streaming: setup " in line]
+    assert notes and len(set(notes)) == 1, notes  # under each table that shows setups
+    note = notes[0]
+    first, later = note.split(": setup ")[1].split(": ")[0].split(" vs ")
+    olds, news = ("1.0", "0.0") if first == setup_label(rows[0]) else ("0.0", "1.0")
+    assert f"helper_margin {olds} vs {news}" in note
+    assert f"weak_base_choice 'calibrated' recorded by {setup_label(rows[-1])} only" in note
+    assert f"calibration [2.0, -2.0, 2.0, -1.0] recorded by {setup_label(rows[-1])} only" in note
 
 
 def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_ran(tmp_path):
@@ -613,7 +635,6 @@ def test_viewer_renders_in_headless_chromium(runs, tmp_path):
 def test_a_rule_setting_recorded_for_a_rule_that_does_not_use_it_does_not_split_a_configuration():
     """Rows of base-first written while every scored rule recorded judge_max_budget, and rows written since, are
     one configuration; where the rule uses the setting (regime), other values are other setups."""
-    from kvrescue_local.bench.metrics import setup_label
 
     def row(choice, **settings):
         return {"config": {"mode": "kvrescue", "choice": choice},

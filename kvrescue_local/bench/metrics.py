@@ -342,9 +342,10 @@ def setup_notes(items: list[Summary]) -> list[str]:
             else:
                 diff = differences(first.setup, other.setup, ignore=("seed",))
                 roles = sorted(set(first.setup["models"]) ^ set(other.setup["models"]))
-                one_sided = sorted(set(first.setup["settings"]) ^ set(other.setup["settings"]))
-                what = "; ".join(diff) or (f"models recorded for {', '.join(roles)}" if roles else
-                                           f"settings recorded by one only: {', '.join(one_sided)}")
+                one_sided = [f"{k} {s.setup['settings'][k]!r} recorded by {s.key.setup} only"
+                             for k in sorted(set(first.setup["settings"]) ^ set(other.setup["settings"]))
+                             for s in (first, other) if k in s.setup["settings"]]
+                what = "; ".join(diff + one_sided + ([f"models recorded for {', '.join(roles)}"] if roles else []))
             notes.append(f"{key.dataset + ' ' if key.dataset else ''}{key.label}: setup {first.key.setup} vs "
                          f"{other.key.setup}: {what}")
     if notes:
