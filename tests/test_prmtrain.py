@@ -19,7 +19,7 @@ from kvrescue_local.prmtrain.examples import LabelledStep, check_split, killed_t
 from kvrescue_local.presets import load_preset
 from kvrescue_local.prmtrain.features import FeatureCache, row_hidden
 from kvrescue_local.prmtrain.fit import auc, fit_head, to_head
-from kvrescue_local.prmtrain.pipeline import (Rollouts, evaluate, features, labelled_rows, open_backbone,
+from kvrescue_local.prmtrain.pipeline import (JUDGE_CTX, Rollouts, evaluate, features, labelled_rows, open_backbone,
                                               run_rollouts, train)
 from kvrescue_local.rescue import Candidate, Rescue, RescueConfig, Trajectory
 from kvrescue_local.rescue.judge import HelperJudge
@@ -274,6 +274,25 @@ def test_a_head_on_the_helpers_own_context_trains_and_serves_on_the_states_it_wa
     solved = CliRunner().invoke(main, ["solve", "--preset", "toy", "--prm", f"helper:{out}", "-n", "2", "-t", "1",
                                        "--budget", "48", TOY_PROBLEM])
     assert solved.exit_code == 0 and "answer:" in solved.output, solved.output
+
+
+def test_the_helpers_context_is_sized_for_the_longest_trajectory_it_reads(toy_rollouts, tmp_path):
+    """A trajectory longer than the judge's least context (MATH500's run to 4,096 tokens) is read whole, every
+    labelled step of it, where a context of JUDGE_CTX cells would be full."""
+    row = read_rows(toy_rollouts)[0]
+    judge = open_backbone("toy", threads=1, features_only="helper-value", rows=[row])
+    steps = row["trajectory"]["steps"]
+    per_copy = sum(len(judge.model.tokenize(step["text"], special=False)) for step in steps)
+    long = json.loads(json.dumps(row))
+    long["trajectory"]["steps"] = [{**step, "round": i} for i, step in
+                                   enumerate(steps * (JUDGE_CTX // max(per_copy, 1) + 2))]
+    assert sum(len(judge.model.tokenize(s["text"], special=False)) for s in long["trajectory"]["steps"]) > JUDGE_CTX
+    sized = open_backbone("toy", threads=1, features_only="helper-value", rows=[row, long])
+    assert sized.gen.ctx.n_ctx > JUDGE_CTX == judge.gen.ctx.n_ctx
+    hidden = features(sized, [long], cache_dir=tmp_path / "features")
+    assert len(hidden) == len(labelled_steps(long)) and np.isfinite(hidden).all()
+    with pytest.raises(KVRescueError, match="the KV cache is full"):
+        features(judge, [long], cache_dir=tmp_path / "unsized")
 
 
 def test_a_head_on_another_models_context_is_trained_and_evaluated_on_that_model(toy_rollouts, tmp_path, monkeypatch):

@@ -82,7 +82,7 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     check_rows(rows, rollouts, left_out, "`kvrescue-local prm train` without --no-rollouts rolls some out")
     click.echo(f"{len(rows)} rows ({left_out} left out: no trajectory record or an error), {len(steps)} labelled "
                f"steps ({sum(s.label for s in steps)} right) of {len({s.problem for s in steps})} problems")
-    backbone = open_backbone(preset, threads, features_only=fmt, helper=helper)
+    backbone = open_backbone(preset, threads, features_only=fmt, helper=helper, rows=rows)
     clock.lap()
     counts = {"cached": 0, "read": 0}
     with click.progressbar(length=len(rows), label="2/3 features", file=sys.stderr) as bar:
@@ -126,7 +126,7 @@ def eval_command(rollouts, preset, head, helper, threads) -> None:
     check_rows(rows, rollouts, left_out, "pass the results of `bench run --split eval`")
     if left_out:
         note(f"{left_out} rows left out (no trajectory record or an error)")
-    backbone = open_backbone(preset, threads, head=head, helper=helper)
+    backbone = open_backbone(preset, threads, head=head, helper=helper, rows=rows)
     with click.progressbar(length=len(rows), label="features", file=sys.stderr) as bar:
         rewards = backbone.rewards(features(backbone, rows, lambda cached: bar.update(1)))
     click.echo(f"{len(rows)} rows of {len({s.problem for s in steps})} problems:")

@@ -35,7 +35,7 @@ from .fit import Fit, fit_head
 
 ROLLOUTS_CACHE = CACHE / "prm-train"
 PRM_CTX = 2048  # the PRM's starting context (it grows with a long trajectory)
-JUDGE_CTX = 4096  # the helper's context read as held: the prompt, a trajectory and one step (it cannot grow)
+JUDGE_CTX = 4096  # the least context the helper reads steps as held in (it cannot grow: judge_ctx sizes it first)
 
 
 @dataclass(frozen=True)
@@ -96,10 +96,10 @@ def labelled_rows(files: list[Path], split: str) -> tuple[list[dict], list[Label
 
 
 def open_backbone(preset: str, threads: int, head: Path | None = None, features_only: str | None = None,
-                  helper: Path | None = None) -> PRM | HelperJudge:
+                  helper: Path | None = None, rows: list[dict] = ()) -> PRM | HelperJudge:
     """What reads the hidden states: the preset's PRM, or for a format read as held (`--prm helper`) the judge on
-    its helper's context (`helper`: another model's, a judge of another size). features_only: a format name and
-    no head (training one); else `head`, or the preset's."""
+    its helper's context (`helper`: another model's, a judge of another size), sized for `rows`. features_only: a
+    format name and no head (training one); else `head`, or the preset's."""
     selection = select_models({"preset": preset, "helper": helper and str(helper)}, False, False, needs_prm=True)
     head = head or (None if features_only else head_file(preset))
     fmt = prm_format(features_only or RewardHead.load(head).format)
@@ -109,18 +109,34 @@ def open_backbone(preset: str, threads: int, head: Path | None = None, features_
     if fmt.as_held:
         config = selection.config({})
         helper = Model(selection.paths["helper"])
-        gen = Generator("helper", helper, 1, JUDGE_CTX, None, SamplingParams(), config.max_step_tokens,
-                        n_batch=config.n_batch, flash_attn=config.flash_attn,
+        judged = None if features_only else helper_head(head, helper, preset).head
+        # the prompt the loop gives the helper (compose.open_models), or the one the head was trained under
+        prompt = judged.prompt if judged else helper.metadata(PROMPT_METADATA) or config.prompt
+        gen = Generator("helper", helper, 1, judge_ctx(helper, prompt or fmt.prompt, rows), None, SamplingParams(),
+                        config.max_step_tokens, n_batch=config.n_batch, flash_attn=config.flash_attn,
                         type_k=config.helper_cache_type_k, type_v=config.helper_cache_type_v, n_threads=threads,
                         scores=True)
-        if features_only:  # the prompt the loop gives the helper (compose.open_models)
-            return HelperJudge(gen, fmt, prompt=helper.metadata(PROMPT_METADATA) or config.prompt)
-        return HelperJudge(gen, fmt, helper_head(head, helper, preset).head)
+        return HelperJudge(gen, fmt, judged, prompt=prompt)
     backbone = selection.paths["helper"] if selection.paths["prm"] == HELPER else selection.paths["prm"]
     if backbone is None:
         raise KVRescueError(f"the {preset} preset names no PRM backbone: a head is trained on the preset's PRM model")
     params = PRMParams(n_ctx=PRM_CTX, max_candidates=16, n_threads=threads)
     return PRM(backbone, params, head=head, features_only=features_only)
+
+
+def judge_ctx(helper: Model, prompt: str, rows: list[dict]) -> int:
+    """Cells the helper needs to read these rows' steps as held, one trajectory at a time: its prompt and every
+    committed step, and a step (of the longest any row has) read on the prefix; at least JUDGE_CTX, in whole
+    blocks of 256 (MATH500 rows run to 4,096 tokens and more)."""
+    def needed(row: dict) -> int:
+        record = row["trajectory"]
+        steps = [len(helper.tokenize(step["text"], special=False)) for step in record["steps"]]
+        candidates = [len(helper.tokenize(c["text"], special=False)) for step in record["steps"]
+                      for c in step.get("candidates", ())]
+        return (len(helper.tokenize(prompt.format(problem=record["problem"]))) + sum(steps)
+                + max([*steps, *candidates, 0]) + 2)  # the step read last, and its closing token
+    longest = max(map(needed, rows), default=0)
+    return max(JUDGE_CTX, -(-longest // 256) * 256)
 
 
 def head_file(preset: str, fmt: str | None = None) -> Path:
