@@ -255,6 +255,7 @@ def test_a_setup_note_names_settings_one_setup_records_beside_those_both_do(tmp_
     assert notes and len(set(notes)) == 1, notes  # under each table that shows setups
     note = notes[0]
     first, later = note.split(": setup ")[1].split(": ")[0].split(" vs ")
+    assert {first, later} == {setup_label(rows[0]), setup_label(rows[-1])}
     olds, news = ("1.0", "0.0") if first == setup_label(rows[0]) else ("0.0", "1.0")
     assert f"helper_margin {olds} vs {news}" in note
     assert f"weak_base_choice 'calibrated' recorded by {setup_label(rows[-1])} only" in note

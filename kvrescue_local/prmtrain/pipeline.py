@@ -111,8 +111,8 @@ def open_backbone(preset: str, threads: int, head: Path | None = None, features_
         helper = Model(selection.paths["helper"])
         judged = None if features_only else helper_head(head, helper, preset).head
         # the prompt the loop gives the helper (compose.open_models), or the one the head was trained under
-        prompt = judged.prompt if judged else helper.metadata(PROMPT_METADATA) or config.prompt
-        gen = Generator("helper", helper, 1, judge_ctx(helper, prompt or fmt.prompt, rows), None, SamplingParams(),
+        prompt = (judged.prompt or fmt.prompt) if judged else helper.metadata(PROMPT_METADATA) or config.prompt
+        gen = Generator("helper", helper, 1, judge_ctx(helper, prompt, rows), None, SamplingParams(),
                         config.max_step_tokens, n_batch=config.n_batch, flash_attn=config.flash_attn,
                         type_k=config.helper_cache_type_k, type_v=config.helper_cache_type_v, n_threads=threads,
                         scores=True)
@@ -131,10 +131,11 @@ def judge_ctx(helper: Model, prompt: str, rows: list[dict]) -> int:
     def needed(row: dict) -> int:
         record = row["trajectory"]
         steps = [len(helper.tokenize(step["text"], special=False)) for step in record["steps"]]
-        candidates = [len(helper.tokenize(c["text"], special=False)) for step in record["steps"]
-                      for c in step.get("candidates", ())]
-        return (len(helper.tokenize(prompt.format(problem=record["problem"]))) + sum(steps)
-                + max([*steps, *candidates, 0]) + 2)  # the step read last, and its closing token
+        killed = {c["text"] for step in record["steps"] for c in step.get("candidates", ())} - {
+            step["text"] for step in record["steps"]}
+        longest = max([*steps, *(len(helper.tokenize(text, special=False)) for text in killed), 0])
+        # the prompt, the committed prefix, the longest step read on it and its closing token
+        return len(helper.tokenize(prompt.format(problem=record["problem"]))) + sum(steps) + longest + 2
     longest = max(map(needed, rows), default=0)
     return max(JUDGE_CTX, -(-longest // 256) * 256)
 
