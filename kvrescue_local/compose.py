@@ -39,6 +39,7 @@ OPTION_FIELDS = {
     "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "choice": "choice",
     "pick_margin": "pick_margin", "helper_margin": "helper_margin", "base_margin": "base_margin",
     "judge_max_budget": "judge_max_budget", "weak_base_choice": "weak_base_choice",
+    "check_arithmetic": "check_arithmetic",
     "helper_tau_entropy": "helper_tau_entropy", "helper_tau_compression": "helper_tau_compression",
     "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
     "cache_type_k_helper": "helper_cache_type_k", "cache_type_v_helper": "helper_cache_type_v",

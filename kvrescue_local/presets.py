@@ -100,7 +100,8 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
 
 
 # a commit.json's fitted rule settings
-COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "judge_max_budget", "weak_base_choice")
+COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "judge_max_budget", "weak_base_choice",
+                "check_arithmetic")
 
 
 def preset_spec(directory: Path) -> dict:

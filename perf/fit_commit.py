@@ -72,11 +72,15 @@ def main() -> None:
                 print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
                       f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
                 print(f"  base-first helper margin: {result.helper_margin}")
+                (false_steps, false_right), (true_steps, true_right) = result.arithmetic["false"], result.arithmetic["true"]
+                print(f"  committed steps stating false arithmetic: {false_steps}, {false_right} right; the others: "
+                      f"{true_steps}, {true_right} right: the arithmetic check {'on' if result.check_arithmetic else 'off'}")
                 datasets[dataset] = {**datasets.get(dataset, {}), **result.rule()}
                 fitted_on.setdefault("calibration", {})[dataset] = {
                     "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])],
                     "problems": result.problems, "rounds": result.rounds,
-                    "steps": {k: list(v) for k, v in result.steps.items()}}
+                    "steps": {k: list(v) for k, v in result.steps.items()},
+                    "arithmetic": {k: list(v) for k, v in result.arithmetic.items()}}
         if "bon" in modes:
             judged = {str(r.get("dataset")) for path in args.judge_rows
                       for r in rows_in(path, "to --judge-rows the rollouts the judge's head was trained on")}

@@ -67,6 +67,7 @@ def result_line(dataset: str, problem_id: str, gold: str, correct: bool, config_
         "steps_from": trajectory.steps_from(), "tokens": trajectory.tokens, "base_candidates": len(base),
         "killed": trajectory.killed, "early_exit_fraction": trajectory.early_exit_fraction,
         "helper_killed": trajectory.helper_killed, "fallbacks": trajectory.fallbacks,
+        "arithmetic_demoted": trajectory.arithmetic_demoted,
         "detector": [c.detector for c in base if c.detector is not None], "timings": trajectory.timings,
         # the whole record (every round's candidates, killed ones included): what `bench view` shows and
         # what a PRM trains on
@@ -89,10 +90,12 @@ class ConfigKey:
     weights: str = ""  # the base's label on the sweep's base axis (its weight type): "" for a run's one base
     kv_cache: str = DEFAULT_CACHE  # the base's KV cache types, "q8_0" or "q8_0/f16" (K/V)
     helper_kv_cache: str = DEFAULT_CACHE
+    check_arithmetic: bool = False  # a survivor stating false arithmetic was set aside (rescue/arithmetic.py)
 
     @property
     def mode_label(self) -> str:
-        return self.mode if self.choice == "prm" else f"{self.mode}/{self.choice}"
+        return (self.mode if self.choice == "prm" else f"{self.mode}/{self.choice}") + (
+            "+arith" if self.check_arithmetic else "")
 
     @property
     def label(self) -> str:
@@ -159,7 +162,7 @@ def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
                      None if budget is None else int(budget), int(cfg["n"]), None if policy is None else str(policy),
                      mode, "" if pool_setups else setup_label(row), str(cfg.get("choice", "prm")),
                      str(cfg.get("weights", "")), str(cfg.get("kv_cache", DEFAULT_CACHE)),
-                     str(cfg.get("helper_kv_cache", DEFAULT_CACHE)))
+                     str(cfg.get("helper_kv_cache", DEFAULT_CACHE)), bool(cfg.get("check_arithmetic", False)))
 
 
 def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, list[dict]]:
@@ -170,7 +173,7 @@ def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, l
     def order(item):
         k = item[0]
         return (k.dataset, k.weights, k.kv_cache, k.helper_kv_cache, k.mode_rank, k.mode,
-                -1 if k.budget is None else k.budget, k.n, k.policy or "", k.choice, k.setup)
+                -1 if k.budget is None else k.budget, k.n, k.policy or "", k.choice, k.check_arithmetic, k.setup)
 
     return dict(sorted(groups.items(), key=order))
 
@@ -502,6 +505,18 @@ def judge_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 
         return partners(groups, a, mode=Mode.KVRESCUE, choice="prm", budget=a.budget, policy=a.policy,
                         weights=a.weights, kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache)
     return comparisons(rows, pool_setups, draws, seed, judged)
+
+
+def check_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
+                      seed: int = 0) -> list[PairedComparison]:
+    """Each configuration whose rounds set aside false arithmetic (a) against the same configuration without the
+    check (b): what the check changes."""
+    def unchecked(groups, a):
+        if not a.check_arithmetic:
+            return []
+        return partners(groups, a, mode=a.mode, choice=a.choice, budget=a.budget, policy=a.policy, weights=a.weights,
+                        kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache, check_arithmetic=False)
+    return comparisons(rows, pool_setups, draws, seed, unchecked)
 
 
 def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[PairedComparison]:

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from ..errors import KVRescueError
 from ..files import check_input_file, decompressed
-from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, choice_comparisons, config_key, oracles,
-                      judge_comparisons, rule_comparisons, setup_comparisons, setup_notes, summaries)
+from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, check_comparisons, choice_comparisons,
+                      config_key, oracles, judge_comparisons, rule_comparisons, setup_comparisons, setup_notes, summaries)
 from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
 
@@ -244,6 +244,11 @@ def comparison_notes(rows: list[dict], pool_setups: bool) -> list[str]:
     for c in judged:
         twice = sum(other.a == c.a for other in judged) > 1  # the judge's rows of several setups: told apart
         notes.append(f"{c.a.label} vs the judge's pick, {c.b.label}{f' (setup {c.b.setup})' if twice else ''}, on "
+                     f"the {c.problems} problems both ran: {paired_text(c)}")
+    checks = check_comparisons(rows, pool_setups)
+    for c in checks:
+        twice = sum(other.a == c.a for other in checks) > 1
+        notes.append(f"{c.a.label} vs the same unchecked, {c.b.label}{f' (setup {c.b.setup})' if twice else ''}, on "
                      f"the {c.problems} problems both ran: {paired_text(c)}")
     choices = choice_comparisons(rows, pool_setups)
     for c in choices:

@@ -56,10 +56,13 @@ class Axis:
     weights: str = ""  # the base model on the sweep's base axis (its weight type, or its file): "" for a run's one base
     kv_cache: str = DEFAULT_CACHE  # the base's KV cache types (cache_label)
     helper_kv_cache: str = DEFAULT_CACHE
+    check_arithmetic: bool = False  # RescueConfig.check_arithmetic, where a round has a choice
 
     @property
     def key(self) -> str:
         key = f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}" + ("" if self.choice == "prm" else f"-{self.choice}")
+        if self.check_arithmetic:
+            key += "-arith"
         if self.weights:
             key += f"-w{self.weights}"
         if (self.kv_cache, self.helper_kv_cache) != (DEFAULT_CACHE, DEFAULT_CACHE):
@@ -69,22 +72,24 @@ class Axis:
 
 def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str],
                choices: Iterable[str] = ("prm",), weights: Iterable[str] = ("",),
-               caches: Iterable[tuple[str, str]] = ((DEFAULT_CACHE, DEFAULT_CACHE),)) -> list[Axis]:
+               caches: Iterable[tuple[str, str]] = ((DEFAULT_CACHE, DEFAULT_CACHE),),
+               check_arithmetic: bool = False) -> list[Axis]:
     """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once, the
-    choice matters only where a round has more than one candidate, the base's weights and cache only where the
+    choice and the arithmetic check matter only where a round has more than one candidate, the base's weights and cache only where the
     base runs and the helper's cache only where the helper does (`caches`: (base, helper) cache labels)."""
     axes = []
     for mode, budget, n, policy, choice, weight, (kv_cache, helper_kv_cache) in product(
             map(Mode.parse, modes), budgets, ns, policies, choices, weights, caches):
         if not mode.evicts:
             budget, policy = 0, "none"
-        if n * mode.sides == 1:
+        chooses = n * mode.sides > 1
+        if not chooses:
             choice = "prm"
         if not mode.uses_base:
             weight, kv_cache = "", helper_kv_cache
         if not mode.uses_helper:
             helper_kv_cache = kv_cache
-        axis = Axis(mode, budget, n, policy, choice, weight, kv_cache, helper_kv_cache)
+        axis = Axis(mode, budget, n, policy, choice, weight, kv_cache, helper_kv_cache, check_arithmetic and chooses)
         if axis not in axes:
             axes.append(axis)
     return axes
@@ -93,7 +98,8 @@ def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable
 def rescue_config(axis: Axis, template: RescueConfig) -> RescueConfig:
     kv = dataclasses.replace(template.kv, budget=axis.budget, policy=axis.policy) if axis.budget else template.kv
     (type_k, type_v), (helper_k, helper_v) = cache_types(axis.kv_cache), cache_types(axis.helper_kv_cache)
-    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv, choice=axis.choice, cache_type_k=type_k,
+    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv, choice=axis.choice,
+                               check_arithmetic=axis.check_arithmetic, cache_type_k=type_k,
                                cache_type_v=type_v, helper_cache_type_k=helper_k, helper_cache_type_v=helper_v)
 
 

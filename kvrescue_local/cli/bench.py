@@ -89,7 +89,8 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                    reads=[*((MODEL_OPTIONS.get(role, role), path) for role, path in selection.paths.items()
                             if isinstance(path, Path)),  # not `--prm helper`'s name
                           *(("--bases", path) for path in base_files.values())])
-    axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, list(base_files) or [""], caches)
+    axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, list(base_files) or [""], caches,
+                      template.check_arithmetic)
     # refuses a bad budget, policy, N or cache type before any model is loaded
     configs = [rescue_config(axis, template) for axis in axes]
     candidates = max((c.candidates_per_round for c in configs if c.needs_prm), default=1)

@@ -94,6 +94,10 @@ SEARCH_OPTIONS = [
     click.option("--weak-base-choice", type=click.Choice(WEAK_BASE_CHOICES),
                  help="--choice regime: the rule up to --judge-max-budget, where the evicted base is the weaker writer "
                       f"{preset_default(DEFAULTS.weak_base_choice)}"),
+    click.option("--check-arithmetic/--no-check-arithmetic", default=None,
+                 help="rounds with a choice set aside a candidate whose step states false arithmetic (\"15 × 0.08 = "
+                      "12\") while another states none; the rows' config key ends -arith "
+                      f"{preset_default(DEFAULTS.check_arithmetic)}"),
     *detector_options("", "base", DEFAULTS.detector.tau_entropy, DEFAULTS.detector.tau_compression),
     *detector_options("helper-", "helper", DEFAULTS.helper_tau_entropy, DEFAULTS.helper_tau_compression,
                       " (0 and 0: the helper is not watched)"),

@@ -7,6 +7,9 @@ on those committed steps (`calibration`). The base-first margin is then the one 
 probability of the committed steps, summed over the training rounds that had a base and a helper survivor, is
 highest (of equals the largest: the base's step is the default). Rounds with a lone survivor were not scored and
 are left out, and so are the losers of a round (nothing says where they would have led).
+
+The arithmetic check (`check_arithmetic`) is turned on where, of those rounds, the committed steps that state false
+arithmetic (rescue/arithmetic.py) ended right less often than the others, over at least MIN_FALSE_STEPS of them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from ..errors import KVRescueError
 from ..rescue import Trajectory
+from ..rescue.arithmetic import false_equalities
 from ..rescue.config import IDENTITY_CALIBRATION
 from ..rescue.loop import calibrated
 from .examples import check_split, usable
@@ -25,6 +29,7 @@ from .examples import check_split, usable
 MARGINS = tuple(round(0.005 * i, 3) for i in range(201))  # the base-first margins tried: 0 to 1 by 0.005
 L2 = 1.0  # the logistic fit's penalty on the slope: few labelled steps, and rewards within a narrow range
 L2_BIAS = 0.01  # and on the bias, which keeps it finite where a source's steps are all right or all wrong
+MIN_FALSE_STEPS = 5  # committed steps stating false arithmetic the check's fit needs: fewer tell nothing
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class ScoredRound:
     committed: str  # the source of the committed step
     reward: float  # its reward
     right: int  # its trajectory's final correctness
+    false_arithmetic: bool  # its step states false arithmetic
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,13 @@ class CommitFit:
     problems: int
     rounds: int  # scored rounds: a base and a helper survivor
     steps: dict[str, tuple[int, int]]  # per source: committed steps, of them right
+    arithmetic: dict[str, tuple[int, int]]  # committed steps stating false arithmetic ("false") and not ("true"),
+    # of them right
+    check_arithmetic: bool
 
     def rule(self) -> dict:
-        return {"helper_margin": self.helper_margin, "calibration": list(self.calibration)}
+        return {"helper_margin": self.helper_margin, "calibration": list(self.calibration),
+                "check_arithmetic": self.check_arithmetic}
 
 
 def scored_rounds(rows: list[dict]) -> list[ScoredRound]:
@@ -61,7 +71,8 @@ def scored_rounds(rows: list[dict]) -> list[ScoredRound]:
                     best[c.side] = max(best.get(c.side, -math.inf), c.score)
             if {"base", "helper"} <= set(best) and step.score is not None:
                 out.append(ScoredRound(f"{row.get('dataset')}:{row.get('id')}", best["base"], best["helper"],
-                                       step.source, step.score, int(bool(row["correct"]))))
+                                       step.source, step.score, int(bool(row["correct"])),
+                                       bool(false_equalities(step.text))))
     return out
 
 
@@ -111,5 +122,10 @@ def fit(rows: list[dict], where: str) -> CommitFit:
     values = {m: expected(m) for m in MARGINS}
     best = max(values.values())
     margin = max(m for m, v in values.items() if v >= best - 1e-12)
+    false_steps = [r.right for r in rounds if r.false_arithmetic]
+    true_steps = [r.right for r in rounds if not r.false_arithmetic]
+    arithmetic = {"false": (len(false_steps), sum(false_steps)), "true": (len(true_steps), sum(true_steps))}
+    # right less often: sum(false) / len(false) < sum(true) / len(true), without dividing by an empty count
+    check = len(false_steps) >= MIN_FALSE_STEPS and sum(false_steps) * len(true_steps) < sum(true_steps) * len(false_steps)
     return CommitFit(tuple(round(x, 6) for x in calibration), margin, len({r.problem for r in rounds}), len(rounds),
-                     steps)
+                     steps, arithmetic, check)

@@ -93,6 +93,10 @@ class RescueConfig:
     # all die commits the least degenerate (Step.fallback)
     helper_tau_entropy: float = 0.0
     helper_tau_compression: float = 0.0
+    # rounds with a choice: a survivor whose step states false arithmetic ("15 × 0.08 = 12", rescue/arithmetic.py)
+    # is set aside while another survivor states none, before the rule chooses; fitted per dataset on training rows
+    # (prmtrain/commit.py). A configuration of its own in a sweep (its rows' config key ends "-arith")
+    check_arithmetic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
@@ -118,6 +122,9 @@ class RescueConfig:
         for option, margin in (("--helper-margin", self.helper_margin), ("--base-margin", self.base_margin)):
             if not 0 <= margin <= 1:
                 raise KVRescueError(f"{option} must be in [0, 1], a difference of rewards (got {margin})")
+        if not isinstance(self.check_arithmetic, bool):
+            raise KVRescueError(f"check_arithmetic is true or false, not {self.check_arithmetic!r}: refit the preset's "
+                                "commit.json with perf/fit_commit.py")
         if self.weak_base_choice not in WEAK_BASE_CHOICES:
             raise KVRescueError(f"unknown weak-base choice {self.weak_base_choice!r}: use one of "
                                 f"{', '.join(WEAK_BASE_CHOICES)}")

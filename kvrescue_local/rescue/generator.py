@@ -42,6 +42,7 @@ class Draft:
     finished: str | None = None  # "step", "eos", "max_step", "killed"
     monitor: Monitor | None = None
     score: float | None = None
+    false_arithmetic: list[str] | None = None  # what rescue/arithmetic.py found, where the round checked it
 
     @property
     def alive(self) -> bool:
@@ -57,7 +58,7 @@ class Draft:
 
     def record(self) -> Candidate:
         return Candidate(self.side, self.index, self.content, len(self.tokens), self.finished, self.score,
-                         self.monitor.stats() if self.monitor is not None else None)
+                         self.monitor.stats() if self.monitor is not None else None, self.false_arithmetic)
 
 
 def seed_for(*parts: int) -> int:

@@ -29,6 +29,7 @@ from ..errors import KVRescueError
 from ..prm import PRM
 from ..runtime import Model, SamplingParams
 from ..runtime.context import kv_bytes_per_cell
+from .arithmetic import false_equalities
 from .config import LLAMA_MAX_SEQ, RescueConfig
 from .generator import Draft, Generator, Request
 from .judge import HelperHead, HelperJudge
@@ -129,6 +130,16 @@ def calibrated(calibration: tuple[float, ...], side: str, value: float) -> float
 def most_probable(survivors: list[Draft], calibration: tuple[float, float, float, float]) -> Draft:
     """The survivor most probably right: its reward mapped through its source's calibration (the first on a tie)."""
     return max(survivors, key=lambda c: calibrated(calibration, c.side, reward(c)))
+
+
+def arithmetic_checked(survivors: list[Draft]) -> list[Draft]:
+    """The survivors whose steps state no false arithmetic, where one does and some other does not (then the others
+    are set aside); every survivor otherwise. A lone survivor is not checked: there is nothing to set it aside for."""
+    if len(survivors) < 2:
+        return survivors
+    for draft in survivors:
+        draft.false_arithmetic = false_equalities(draft.content)
+    return [c for c in survivors if not c.false_arithmetic] or survivors
 
 
 def least_degenerate(killed: list[Draft]) -> Draft:
@@ -353,6 +364,8 @@ class Rescue:
         """Commit the problem's winner of this round; True when the problem is finished."""
         traj = s.trajectory
         survivors = [c for c in s.drafts if not c.killed]
+        if self.config.check_arithmetic:
+            survivors = arithmetic_checked(survivors)
         winner = choose(survivors, self.config, s.key, s.round, s.seed) if survivors else least_degenerate(s.drafts)
         step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts],
                     fallback=not survivors)

@@ -87,6 +87,11 @@ class Candidate:
     finished: str | None
     score: float | None = None  # the PRM's, when it had to choose
     detector: dict | None = None  # the detector's statistics (base candidates in kvrescue mode)
+    false_arithmetic: list[str] | None = None  # the false equalities its step states, where the round checked
+
+    @property
+    def states_false_arithmetic(self) -> bool:
+        return bool(self.false_arithmetic)
 
     @property
     def killed(self) -> bool:
@@ -97,15 +102,18 @@ class Candidate:
                "finished": self.finished, "score": self.score}
         if self.detector is not None:
             out["detector"] = self.detector
+        if self.false_arithmetic is not None:
+            out["false_arithmetic"] = self.false_arithmetic
         return out
 
     @classmethod
     def from_json(cls, data, where: str) -> Candidate:
         if not isinstance(data, dict):
             raise _not_a_record(where, "a candidate is not an object")
-        detector = data.get("detector")
+        detector, false_arithmetic = data.get("detector"), data.get("false_arithmetic")
         return cls(str(data.get("side", "?")), data.get("index", 0), str(data.get("text", "")), data.get("tokens", 0),
-                   data.get("finished"), data.get("score"), detector if isinstance(detector, dict) else None)
+                   data.get("finished"), data.get("score"), detector if isinstance(detector, dict) else None,
+                   [str(e) for e in false_arithmetic] if isinstance(false_arithmetic, list) else None)
 
 
 @dataclass
@@ -186,6 +194,16 @@ class Trajectory:
     def fallbacks(self) -> int:
         """Rounds whose candidates all died, and that committed the least degenerate."""
         return sum(s.fallback for s in self.steps)
+
+    @property
+    def arithmetic_demoted(self) -> int:
+        """Survivors set aside for stating false arithmetic while another survivor of their round stated none."""
+        total = 0
+        for step in self.steps:
+            survivors = [c for c in step.candidates if not c.killed]
+            if any(c.false_arithmetic == [] for c in survivors):
+                total += sum(c.states_false_arithmetic for c in survivors)
+        return total
 
     @property
     def early_exit_fraction(self) -> float:
