@@ -1,10 +1,14 @@
 """The arithmetic check: which equalities it calls false, and a round that sets such a step aside, through llama.cpp
 on the toy preset (its steps are additions: "total=16-5=11")."""
 
+import json
+
 import pytest
+from click.testing import CliRunner
 
 from kvrescue_local.bench.metrics import config_key
 from kvrescue_local.bench.run import sweep_axes
+from kvrescue_local.cli import main
 from kvrescue_local.compose import preset_config
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.rescue.arithmetic import evaluate, false_equalities
@@ -109,3 +113,20 @@ def test_rounds_set_false_arithmetic_aside_through_llama_cpp(toy):  # noqa: F811
     assert demoted >= 1, "the evicted toy base wrote a wrong sum that a right one replaced"
     unchecked, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", **common), problems, 4)
     assert all(c.false_arithmetic is None for t in unchecked.values() for s in t.steps for c in s.candidates)
+
+
+def test_solve_shows_and_records_what_it_set_aside(tmp_path):
+    """`solve --check-arithmetic` on the toy preset: a step line says how many survivors its round set aside, and the
+    --json record lists each checked candidate's false equalities."""
+    for i, problem in enumerate(held_out(8)):
+        out = tmp_path / f"{i}.json"
+        result = CliRunner().invoke(main, ["solve", "--preset", "toy", "-n", "1", "--budget", "48", "--choice",
+                                           "base-first", "--helper-margin", "1", "-ctk", "f32", "-ctv", "f32",
+                                           "--check-arithmetic", "--json", str(out), problem.text])
+        assert result.exit_code == 0, result.output
+        if "set aside: false arithmetic" in result.output:
+            break
+    else:
+        pytest.fail("no round of 8 toy problems set a step aside")
+    candidates = [c for s in json.loads(out.read_text())["steps"] for c in s["candidates"]]
+    assert any(c.get("false_arithmetic") for c in candidates) and any(c.get("false_arithmetic") == [] for c in candidates)

@@ -211,6 +211,25 @@ def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
             f"(difference +66.7 points, 95% paired bootstrap interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
 
 
+def test_a_checked_configuration_is_compared_with_the_same_unchecked_and_counts_what_it_set_aside(tmp_path):
+    unchecked = synthetic("kvrescue", 1, 64, [True, False, False, False])
+    checked = synthetic("kvrescue", 1, 64, [True, True, False])
+    for i, row in enumerate(checked):
+        row["config"].update(choice="regime", check_arithmetic=True)
+        row["arithmetic_demoted"] = i
+    for row in unchecked:
+        row["config"]["choice"] = "regime"
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", unchecked + checked))
+    text = render(rows, markdown=True)
+    header, _, *body = text.split("**Table 2: ablation**", 1)[1].strip("\n").split("\n\n")[0].splitlines()
+    header = cells(header)
+    table = {cells(line)[0]: cells(line) for line in body}
+    assert table["kvrescue/regime+arith"][header.index("set aside")] == "3"  # 0 + 1 + 2
+    assert table["kvrescue/regime"][header.index("set aside")] == "-"
+    assert re.search(r"kvrescue/regime\+arith b64 n1 streaming vs the same unchecked, kvrescue/regime b64 n1 streaming, "
+                     r"on the 3 problems both ran: 66.7% vs 33.3% \(difference \+33.3 points", text)
+
+
 def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(tmp_path):
     """Rows of one configuration run with two helper files (a setup each) are paired by problem, the later setup
     against the first, and each is compared with random choice under its setup's name; pooled, there is one

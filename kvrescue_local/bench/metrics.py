@@ -220,6 +220,7 @@ class Summary:
     setup: dict | None = None  # its first row's setup (None: unrecorded or pooled)
     helper_kills: float | None = None  # helper candidates killed per problem, where the detector watched the helper
     fallbacks: int | None = None  # rounds whose candidates all died (committed the least degenerate), summed
+    set_aside: int | None = None  # survivors set aside for false arithmetic, summed, where the rounds checked it
 
     @property
     def budget_kv_bytes(self) -> float | None:
@@ -269,7 +270,8 @@ def summarize(key: ConfigKey, rows: list[dict]) -> Summary:
         helper_tok_s=helper_tokens / helper_llama if helper_llama > 0 else None,
         steps_from=steps_from, setup=rows[0].get("setup") if key.setup else None,
         helper_kills=_mean(int(r.get("helper_killed") or 0) for r in rows) if watched else None,
-        fallbacks=sum(int(r.get("fallbacks") or 0) for r in rows) if watched else None)
+        fallbacks=sum(int(r.get("fallbacks") or 0) for r in rows) if watched else None,
+        set_aside=sum(int(r.get("arithmetic_demoted") or 0) for r in rows) if key.check_arithmetic else None)
 
 
 def watches_helper(row: dict) -> bool:

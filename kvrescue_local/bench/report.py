@@ -185,6 +185,8 @@ def table2(items: list[Summary]) -> Table:
                                                            "prob/min", "PRM s", "recovered %"]
     watched = any(s.helper_kills is not None for s in items)  # the helper's kills, where a detector watched it
     headers += ["helper kills", "fallbacks"] if watched else []
+    checked = any(s.key.check_arithmetic for s in items)
+    headers += ["set aside"] if checked else []
     rows = []
     for s in items:
         rows.append(_config_cells(s, with_dataset, with_setup, quant) + [
@@ -192,13 +194,17 @@ def table2(items: list[Summary]) -> Table:
             fmt(s.base_tokens, 0) if s.key.uses_base else "-", fmt(s.steps), fmt(s.helper_step_share),
             fmt(s.early_exit),
             fmt(s.helper_tokens, 0) if s.key.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
-            fmt(s.recovered)] + ([fmt(s.helper_kills), "-" if s.fallbacks is None else str(s.fallbacks)] if watched else []))
-    align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * (14 if watched else 12)
+            fmt(s.recovered)] + ([fmt(s.helper_kills), "-" if s.fallbacks is None else str(s.fallbacks)] if watched else [])
+            + (["-" if s.set_aside is None else str(s.set_aside)] if checked else []))
+    align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * (len(headers) - len(
+        _config_headers(with_dataset, with_setup, quant)))
     notes = setups + ["degen %: wrong and >= 256 committed steps (or the step cap, if lower), among all trajectories; "
              "cap %: stopped by the token or step cap; helper steps %: of the committed steps, the helper's; "
              "early exit %: killed / all base candidates; "
              + ("helper kills: helper candidates killed per problem, where the detector watched the helper; fallbacks: "
                 "rounds whose candidates all died, committing the least degenerate (summed); " if watched else "") +
+             ("set aside: survivors whose step stated false arithmetic while another of their round stated none "
+              "(summed, +arith rows); " if checked else "") +
              "recovered %: (kvrescue - bon) / (full - bon) pass@1 at the same budget and N, on the problems all three "
              "ran (full: at the smallest N run when not at that N, named below); tokens and seconds are "
              "means per problem; prob/min = problems / summed wall time."]

@@ -25,7 +25,8 @@ def one_line(text: str, width: int = 100) -> str:
 def show(step: Step) -> None:
     score = "  -  " if step.score is None else f"{step.score:.3f}"
     killed = f"({step.killed} killed) " if step.killed else ""
-    click.echo(f"[{step.round + 1:3d}] {step.source:6s} {score} {killed}{one_line(step.text)}")
+    set_aside = f"({step.set_aside} set aside: false arithmetic) " if step.set_aside else ""
+    click.echo(f"[{step.round + 1:3d}] {step.source:6s} {score} {killed}{set_aside}{one_line(step.text)}")
 
 
 @click.command()

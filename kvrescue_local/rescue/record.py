@@ -132,6 +132,14 @@ class Step:
     def killed(self) -> int:
         return sum(c.killed for c in self.candidates)
 
+    @property
+    def set_aside(self) -> int:
+        """Survivors set aside for stating false arithmetic: where another survivor was checked and stated none."""
+        survivors = [c for c in self.candidates if not c.killed]
+        if not any(c.false_arithmetic == [] for c in survivors):
+            return 0
+        return sum(c.states_false_arithmetic for c in survivors)
+
     def to_json(self) -> dict:
         out = {"round": self.round, "text": self.text, "source": self.source, "score": self.score,
                "finished": self.finished, "candidates": [c.to_json() for c in self.candidates]}
@@ -198,12 +206,7 @@ class Trajectory:
     @property
     def arithmetic_demoted(self) -> int:
         """Survivors set aside for stating false arithmetic while another survivor of their round stated none."""
-        total = 0
-        for step in self.steps:
-            survivors = [c for c in step.candidates if not c.killed]
-            if any(c.false_arithmetic == [] for c in survivors):
-                total += sum(c.states_false_arithmetic for c in survivors)
-        return total
+        return sum(s.set_aside for s in self.steps)
 
     @property
     def early_exit_fraction(self) -> float:
