@@ -72,9 +72,11 @@ def main() -> None:
                 print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
                       f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
                 print(f"  base-first helper margin: {result.helper_margin}")
-                (false_steps, false_right), (true_steps, true_right) = result.arithmetic["false"], result.arithmetic["true"]
+                (false_steps, false_right), (true_steps, true_right) = (result.arithmetic["false"],
+                                                                        result.arithmetic["true"])
+                check = "on" if result.check_arithmetic else "off"
                 print(f"  committed steps stating false arithmetic: {false_steps}, {false_right} right; the others: "
-                      f"{true_steps}, {true_right} right: the arithmetic check {'on' if result.check_arithmetic else 'off'}")
+                      f"{true_steps}, {true_right} right: the arithmetic check {check}")
                 datasets[dataset] = {**datasets.get(dataset, {}), **result.rule()}
                 fitted_on.setdefault("calibration", {})[dataset] = {
                     "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])],

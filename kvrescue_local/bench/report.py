@@ -28,7 +28,8 @@ from pathlib import Path
 from ..errors import KVRescueError
 from ..files import check_input_file, decompressed
 from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, check_comparisons, choice_comparisons,
-                      config_key, oracles, judge_comparisons, rule_comparisons, setup_comparisons, setup_notes, summaries)
+                      config_key, judge_comparisons, oracles, rule_comparisons, setup_comparisons, setup_notes,
+                      summaries)
 from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
 
@@ -194,7 +195,8 @@ def table2(items: list[Summary]) -> Table:
             fmt(s.base_tokens, 0) if s.key.uses_base else "-", fmt(s.steps), fmt(s.helper_step_share),
             fmt(s.early_exit),
             fmt(s.helper_tokens, 0) if s.key.uses_helper else "-", fmt(s.problems_per_minute, 2), fmt(s.prm_s, 3),
-            fmt(s.recovered)] + ([fmt(s.helper_kills), "-" if s.fallbacks is None else str(s.fallbacks)] if watched else [])
+            fmt(s.recovered)]
+            + ([fmt(s.helper_kills), "-" if s.fallbacks is None else str(s.fallbacks)] if watched else [])
             + (["-" if s.set_aside is None else str(s.set_aside)] if checked else []))
     align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * (len(headers) - len(
         _config_headers(with_dataset, with_setup, quant)))

@@ -41,8 +41,8 @@ ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
 SOME_CONFIGURATIONS = SOME_SETTINGS  # settings only configurations they matter to record: compared where both do
 NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "check_arithmetic", "prompt", "n_gpu_layers", "n_threads",
-                "flash_attn", "n_batch", "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v", "helper_cache_type_k",
-                "helper_cache_type_v")
+                "flash_attn", "n_batch", "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v",
+                "helper_cache_type_k", "helper_cache_type_v")
 # what a setup records of its axes (the KV cache types and their bytes, the base's weights): part of the row's
 # configuration, so never compared as a setting
 AXIS_RECORDS = ("kv", "weights")

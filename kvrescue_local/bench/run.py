@@ -75,7 +75,8 @@ def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable
                caches: Iterable[tuple[str, str]] = ((DEFAULT_CACHE, DEFAULT_CACHE),),
                check_arithmetic: bool = False) -> list[Axis]:
     """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once, the
-    choice and the arithmetic check matter only where a round has more than one candidate, the base's weights and cache only where the
+    choice and the arithmetic check matter only where a round has more than one candidate, the base's weights and
+    cache only where the
     base runs and the helper's cache only where the helper does (`caches`: (base, helper) cache labels)."""
     axes = []
     for mode, budget, n, policy, choice, weight, (kv_cache, helper_kv_cache) in product(

@@ -126,6 +126,7 @@ def fit(rows: list[dict], where: str) -> CommitFit:
     true_steps = [r.right for r in rounds if not r.false_arithmetic]
     arithmetic = {"false": (len(false_steps), sum(false_steps)), "true": (len(true_steps), sum(true_steps))}
     # right less often: sum(false) / len(false) < sum(true) / len(true), without dividing by an empty count
-    check = len(false_steps) >= MIN_FALSE_STEPS and sum(false_steps) * len(true_steps) < sum(true_steps) * len(false_steps)
+    check = (len(false_steps) >= MIN_FALSE_STEPS
+             and sum(false_steps) * len(true_steps) < sum(true_steps) * len(false_steps))
     return CommitFit(tuple(round(x, 6) for x in calibration), margin, len({r.problem for r in rounds}), len(rounds),
                      steps, arithmetic, check)

@@ -3,9 +3,10 @@ operators, evaluated and compared with the number written.
 
 A 0.5B helper and an evicted base both write equalities like "15 × 0.08 = 12" or "$68 + $330 = $408". A step that
 states a false one carries a wrong number into every later step. Only closed arithmetic is checked: an equality with
-a variable in it ("x + 5 + 3 = 10"), a time ("2:15 + 15 = 2:30"), a fraction or an expression on the right is
-skipped, as is one with a unit inside it ("111 feet - 120 inches = 101 feet"), and a number is taken as right when it is the value rounded or cut at the precision it is written with
-("2/3 = 0.67", "7 / 2 = 3"), so a skipped or loose check never calls a right step wrong.
+a variable in it ("x + 5 + 3 = 10"), a time ("2:15 + 15 = 2:30"), a unit inside it ("111 feet - 120 inches = 101
+feet"), a fraction or an expression on the right is skipped, and a number is taken as right when it is the value
+rounded or cut at the precision it is written with ("2/3 = 0.67", "7 / 2 = 3"): what the check calls false is
+arithmetic as written, and what it cannot read it leaves alone.
 """
 
 from __future__ import annotations
