@@ -286,3 +286,30 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
                                    if r["config"]["mode"] == "helper"))
     failed = subprocess.run([*script, str(helper_only)], capture_output=True, text=True)
     assert failed.returncode == 1 and "no KV-Rescue or evicted best-of-N rows" in failed.stderr, failed.stderr
+
+
+def test_rows_from_before_the_weak_base_rule_was_recorded_resume_and_merge_only_with_the_judges_pick(tmp_path):
+    """Regime rows written before the weak-base rule was a setting ran the judge's pick: resuming or merging them with
+    rows of another rule is refused, naming both; with the judge's pick they resume. The toy preset, two problems."""
+    def sweep(results, rule, limit="1"):
+        return CliRunner().invoke(main, [
+            "bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", limit, "--modes", "full,kvrescue",
+            "--ns", "1", "--budgets", "32", "--results", str(results), "--choice", "regime", "--judge-max-budget",
+            "32", "--weak-base-choice", rule, "--resume"])
+
+    old = tmp_path / "old.jsonl"
+    assert sweep(old, "prm").exit_code == 0
+    rows = read_rows(old)
+    for row in rows:
+        row["setup"]["settings"].pop("weak_base_choice", None)
+    old.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refused = sweep(old, "calibrated", limit="2")
+    assert refused.exit_code != 0 and "weak_base_choice 'prm' vs 'calibrated'" in refused.output, refused.output
+    assert len(read_rows(old)) == len(rows), "nothing written"
+    resumed = sweep(old, "prm", limit="2")
+    assert resumed.exit_code == 0, resumed.output
+    assert len(read_rows(old)) == 2 * len(rows)
+    new = tmp_path / "new.jsonl"
+    assert sweep(new, "calibrated").exit_code == 0
+    merged = CliRunner().invoke(main, ["bench", "merge", str(old), str(new), "--out", str(tmp_path / "m.jsonl")])
+    assert merged.exit_code != 0 and "weak_base_choice" in merged.output, merged.output

@@ -260,7 +260,7 @@ def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(t
 
 def test_a_setup_note_names_settings_one_setup_records_beside_those_both_do(tmp_path):
     """Regime rows from before the weak-base rule was a setting against rows fitted since: the note names the margin
-    both record and the rule and calibration only the later ones record, with their values."""
+    both record, the rule by the value the earlier rows ran with, and the calibration only the later ones record."""
     rows = []
     for settings, outcomes in (({"helper_margin": 1.0}, [True, False]),
                                ({"helper_margin": 0.0, "weak_base_choice": "calibrated", "calibration": [2.0, -2.0, 2.0, -1.0]},
@@ -277,7 +277,8 @@ def test_a_setup_note_names_settings_one_setup_records_beside_those_both_do(tmp_
     assert {first, later} == {setup_label(rows[0]), setup_label(rows[-1])}
     olds, news = ("1.0", "0.0") if first == setup_label(rows[0]) else ("0.0", "1.0")
     assert f"helper_margin {olds} vs {news}" in note
-    assert f"weak_base_choice 'calibrated' recorded by {setup_label(rows[-1])} only" in note
+    rules = ("'prm'", "'calibrated'") if olds == "1.0" else ("'calibrated'", "'prm'")
+    assert f"weak_base_choice {rules[0]} vs {rules[1]}" in note, "the rows from before it ran the judge's pick"
     assert f"calibration [2.0, -2.0, 2.0, -1.0] recorded by {setup_label(rows[-1])} only" in note
 
 

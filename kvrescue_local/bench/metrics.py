@@ -41,7 +41,7 @@ import numpy as np
 from ..rescue import MODES, Mode, Trajectory
 from ..rescue.config import RULE_SETTINGS
 from ..rescue.record import LENGTH_CAPS
-from .results_file import AXIS_RECORDS, SOME_CONFIGURATIONS, differences
+from .results_file import AXIS_RECORDS, SETTINGS_BEFORE, SOME_CONFIGURATIONS, differences
 
 DEGENERATE_STEPS = 256
 DEFAULT_CACHE = "f16"  # the KV cache of rows that record none (bench.run.DEFAULT_CACHE)
@@ -345,11 +345,11 @@ def setup_notes(items: list[Summary]) -> list[str]:
                 unrecorded = first if first.setup is None else other
                 what = f"setup {unrecorded.key.setup} was not recorded (rows written before setups were)"
             else:
-                diff = differences(first.setup, other.setup, ignore=("seed",))
+                diff = differences(first.setup, other.setup, ignore=("seed",), same_configuration=True)
                 roles = sorted(set(first.setup["models"]) ^ set(other.setup["models"]))
                 one_sided = [f"{k} {s.setup['settings'][k]!r} recorded by {s.key.setup} only"
                              for k in sorted(set(first.setup["settings"]) ^ set(other.setup["settings"]))
-                             for s in (first, other) if k in s.setup["settings"]]
+                             if k not in SETTINGS_BEFORE for s in (first, other) if k in s.setup["settings"]]
                 what = "; ".join(diff + one_sided + ([f"models recorded for {', '.join(roles)}"] if roles else []))
             notes.append(f"{key.dataset + ' ' if key.dataset else ''}{key.label}: setup {first.key.setup} vs "
                          f"{other.key.setup}: {what}")

@@ -40,6 +40,9 @@ from ..rescue.config import SOME_SETTINGS
 ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
 SOME_CONFIGURATIONS = SOME_SETTINGS  # settings only configurations they matter to record: compared where both do
+# settings recorded since some date, and what the rows of a configuration that records them ran with before: the judge's
+# pick where the base is the weaker writer, the helper unwatched
+SETTINGS_BEFORE = {"weak_base_choice": "prm", "helper_tau_entropy": 0.0, "helper_tau_compression": 0.0}
 NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "check_arithmetic", "prompt", "n_gpu_layers", "n_threads",
                 "flash_attn", "n_batch", "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v",
                 "helper_cache_type_k", "helper_cache_type_v")
@@ -276,9 +279,11 @@ def weights_label(setup: dict) -> str:
     return (setup.get("weights") or {}).get("label", "")
 
 
-def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+def differences(a: dict, b: dict, ignore: tuple[str, ...] = (), same_configuration: bool = False) -> list[str]:
     """What differs between two setups; models are compared for the roles both used (the base only between rows of
-    the same base on the sweep's base axis)."""
+    the same base on the sweep's base axis). A setting only some configurations record is compared where both setups
+    record it, and between two setups of one configuration also where one of them comes from before the setting was
+    recorded, by the value its rows ran with (SETTINGS_BEFORE)."""
     out = []
     roles = set(a["models"]) & set(b["models"])
     if weights_label(a) != weights_label(b):
@@ -289,6 +294,8 @@ def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[str]:
     if a["prompt_sha256"] != b["prompt_sha256"]:
         out.append(f"prompt template {a['prompt_sha256'][:8]} vs {b['prompt_sha256'][:8]}")
     ours, theirs = a["settings"], b["settings"]
+    if same_configuration:
+        ours, theirs = {**SETTINGS_BEFORE, **ours}, {**SETTINGS_BEFORE, **theirs}
     out += [f"{k} {ours.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(ours) | set(theirs))
             if k not in ignore and ours.get(k) != theirs.get(k)
             and not (k in SOME_CONFIGURATIONS and (k not in ours or k not in theirs))]
@@ -307,8 +314,17 @@ def distinct_setups(rows: list[dict], path: Path) -> list[dict]:
     return list(seen.values())
 
 
-def check_same_setup(ours: dict, setups: list[dict], path: Path, fix: str) -> None:
+def configuration_setups(rows: list[dict], path: Path) -> list[tuple[str, dict]]:
+    """The different (configuration key, setup) pairs of rows (distinct_setups refuses rows without a setup)."""
+    distinct_setups(rows, path)
+    seen = {}
+    for row in rows:
+        seen.setdefault((row["config_key"], json.dumps(row["setup"], sort_keys=True)), (row["config_key"], row["setup"]))
+    return list(seen.values())
+
+
+def check_same_setup(ours: dict, setups: list[dict], path: Path, fix: str, same_configuration: bool = False) -> None:
     for theirs in setups:
-        diff = differences(theirs, ours)
+        diff = differences(theirs, ours, same_configuration=same_configuration)
         if diff:
             raise KVRescueError(f"{path} holds results of a different configuration ({'; '.join(diff)}): {fix}")

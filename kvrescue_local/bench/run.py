@@ -32,8 +32,8 @@ from .datasets import Dataset, Problem
 from .metrics import DEFAULT_CACHE, result_line
 from ..quantize import file_type
 from ..runtime.context import kv_bytes_per_cell
-from .results_file import (check_same_setup, distinct_setups, problem_fingerprint, read_rows, repair_tail, row_key,
-                           settings, setup, weights_label, writing)
+from .results_file import (check_same_setup, configuration_setups, distinct_setups, problem_fingerprint, read_rows,
+                           repair_tail, row_key, settings, setup, weights_label, writing)
 
 
 def cache_label(type_k: str, type_v: str) -> str:
@@ -189,9 +189,15 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
             merged = ours.setdefault(axis.weights, {**made, "models": {}, "settings": {}})
             merged["models"].update(made["models"])
             merged["settings"].update(made["settings"])  # a setting some configurations record (pick_margin)
+        fix = "resume with the same models and options or write to a new results file"
         for theirs in distinct_setups(rows, results):
-            check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results,
-                             "resume with the same models and options or write to a new results file")
+            check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results, fix)
+        # rows of a configuration this sweep runs: against its own setup, where a setting the rows lack because they
+        # were written before it was recorded is compared by the value they ran with
+        own = {axis.key: made for axis, made in setups.items()}
+        for key, theirs in configuration_setups(rows, results):
+            if key in own:
+                check_same_setup(own[key], [theirs], results, fix, same_configuration=True)
         index, count = shard
         tasks = [(axis, p) for axis in axes for p in problems][index::count]
         todo, changed = undone(tasks, label, rows)
@@ -257,6 +263,7 @@ def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
                             "list it among the inputs to merge it too, or pass --force to replace it")
     merged: dict[tuple, dict] = {}
     setups: list[dict] = []
+    of_configuration: dict[str, list[dict]] = {}
     # the output's lock before any input is read: a `bench run` appending to it meanwhile would lose its rows
     with writing(output, "--out"):
         for path in inputs:
@@ -266,9 +273,13 @@ def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
             if not rows:
                 raise KVRescueError(f"{path} holds no results lines: pass the results files of `bench run` (an "
                                     "empty, binary or cut-off file has none)")
+            fix = "merge only shards of one sweep (same models and options)"
             for theirs in distinct_setups(rows, path):
-                check_same_setup(theirs, setups, path, "merge only shards of one sweep (same models and options)")
+                check_same_setup(theirs, setups, path, fix)
                 setups.append(theirs)
+            for key, theirs in configuration_setups(rows, path):
+                check_same_setup(theirs, of_configuration.get(key, []), path, fix, same_configuration=True)
+                of_configuration.setdefault(key, []).append(theirs)
             for row in rows:
                 merged.setdefault(row_key(row), row)
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in merged.values())
