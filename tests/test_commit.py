@@ -245,7 +245,7 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
     root = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(root / "perf/fit_commit.py")]
     training = [str(root / f"results/{name}.jsonl.zst")
-                for name in ("coder-math500-train-regime", "coder-gsm8k-n1", "coder-gsm8k-train-judge64")]
+                for name in ("coder-math500-train-regime", "coder-gsm8k-n1", "coder-gsm8k-train120-judge64")]
     ran = subprocess.run([*script, *training, "--judge-rows", training[1], "--write", str(tmp_path / "commit.json")],
                          capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
