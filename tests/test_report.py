@@ -219,15 +219,24 @@ def test_a_checked_configuration_is_compared_with_the_same_unchecked_and_counts_
         row["arithmetic_demoted"] = i
     for row in unchecked:
         row["config"]["choice"] = "regime"
-    rows = load_results(write_jsonl(tmp_path / "r.jsonl", unchecked + checked))
+    refit = synthetic("kvrescue", 1, 64, [False, False, False])  # checked, with another calibration: not paired
+    for row in refit:
+        row["config"].update(choice="regime", check_arithmetic=True)
+        row["setup"] = {"models": {}, "prompt_sha256": "p", "settings": {"calibration": [2.0, -2.0, 2.0, -1.0]}}
+    for row in unchecked + checked:
+        row["setup"] = {"models": {}, "prompt_sha256": "p", "settings": {"calibration": [1.0, 0.0, 1.0, 0.0]}}
+    rows = load_results(write_jsonl(tmp_path / "r.jsonl", unchecked + checked + refit))
     text = render(rows, markdown=True)
     header, _, *body = text.split("**Table 2: ablation**", 1)[1].strip("\n").split("\n\n")[0].splitlines()
     header = cells(header)
-    table = {cells(line)[0]: cells(line) for line in body}
-    assert table["kvrescue/regime+arith"][header.index("set aside")] == "3"  # 0 + 1 + 2
-    assert table["kvrescue/regime"][header.index("set aside")] == "-"
-    assert re.search(r"kvrescue/regime\+arith b64 n1 streaming vs the same unchecked, kvrescue/regime b64 n1 "
-                     r"streaming, on the 3 problems both ran: 66.7% vs 33.3% \(difference \+33.3 points", text)
+    set_aside = {(cells(line)[0], cells(line)[header.index("pass@1 %")]): cells(line)[header.index("set aside")]
+                 for line in body}
+    assert set_aside == {("kvrescue/regime", "25.0"): "-", ("kvrescue/regime+arith", "66.7"): "3",  # 0 + 1 + 2
+                         ("kvrescue/regime+arith", "0.0"): "0"}
+    paired = [line for line in text.splitlines() if "vs the same unchecked" in line]
+    assert len(paired) == 1 and re.search(
+        r"kvrescue/regime\+arith b64 n1 streaming vs the same unchecked, kvrescue/regime b64 n1 streaming, on the 3 "
+        r"problems both ran: 66.7% vs 33.3% \(difference \+33.3 points", paired[0]), paired
 
 
 def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(tmp_path):

@@ -512,12 +512,12 @@ def judge_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 
 def check_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                       seed: int = 0) -> list[PairedComparison]:
     """Each configuration whose rounds set aside false arithmetic (a) against the same configuration without the
-    check (b): what the check changes."""
+    check (b), of the same setup (the same rule's parameters too): what the check alone changes."""
     def unchecked(groups, a):
         if not a.check_arithmetic:
             return []
         return partners(groups, a, mode=a.mode, choice=a.choice, budget=a.budget, policy=a.policy, weights=a.weights,
-                        kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache, check_arithmetic=False)
+                        kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache, check_arithmetic=False, setup=a.setup)
     return comparisons(rows, pool_setups, draws, seed, unchecked)
 
 

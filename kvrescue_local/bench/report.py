@@ -255,8 +255,8 @@ def comparison_notes(rows: list[dict], pool_setups: bool) -> list[str]:
                      f"the {c.problems} problems both ran: {paired_text(c)}")
     checks = check_comparisons(rows, pool_setups)
     for c in checks:
-        twice = sum(other.a == c.a for other in checks) > 1
-        notes.append(f"{c.a.label} vs the same unchecked, {c.b.label}{f' (setup {c.b.setup})' if twice else ''}, on "
+        twice = sum(other.a.label == c.a.label for other in checks) > 1  # told apart by their setups
+        notes.append(f"{c.a.label}{f' (setup {c.a.setup})' if twice else ''} vs the same unchecked, {c.b.label}, on "
                      f"the {c.problems} problems both ran: {paired_text(c)}")
     choices = choice_comparisons(rows, pool_setups)
     for c in choices:
