@@ -109,7 +109,7 @@ def test_rounds_set_false_arithmetic_aside_through_llama_cpp(toy):  # noqa: F811
             if any(c.false_arithmetic == [] for c in survivors):
                 assert winner.false_arithmetic == []
                 demoted += sum(bool(c.false_arithmetic) for c in survivors)
-    assert sum(t.arithmetic_demoted for t in checked.values()) == demoted
+    assert sum(t.set_aside for t in checked.values()) == demoted
     assert demoted >= 1, "the evicted toy base wrote a wrong sum that a right one replaced"
     unchecked, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", **common), problems, 4)
     assert all(c.false_arithmetic is None for t in unchecked.values() for s in t.steps for c in s.candidates)

@@ -67,7 +67,7 @@ def result_line(dataset: str, problem_id: str, gold: str, correct: bool, config_
         "steps_from": trajectory.steps_from(), "tokens": trajectory.tokens, "base_candidates": len(base),
         "killed": trajectory.killed, "early_exit_fraction": trajectory.early_exit_fraction,
         "helper_killed": trajectory.helper_killed, "fallbacks": trajectory.fallbacks,
-        "arithmetic_demoted": trajectory.arithmetic_demoted,
+        "arithmetic_demoted": trajectory.set_aside,
         "detector": [c.detector for c in base if c.detector is not None], "timings": trajectory.timings,
         # the whole record (every round's candidates, killed ones included): what `bench view` shows and
         # what a PRM trains on

@@ -181,9 +181,9 @@ def table2(items: list[Summary]) -> Table:
     setups = setup_notes(items)
     with_setup = bool(setups)
     quant = quantized_axes(items)
-    headers = _config_headers(with_dataset, with_setup, quant) + ["problems", "pass@1 %", "degen %", "cap %", "base tok",
-                                                           "steps", "helper steps %", "early exit %", "helper tok",
-                                                           "prob/min", "PRM s", "recovered %"]
+    config_headers = _config_headers(with_dataset, with_setup, quant)
+    headers = config_headers + ["problems", "pass@1 %", "degen %", "cap %", "base tok", "steps", "helper steps %",
+                                "early exit %", "helper tok", "prob/min", "PRM s", "recovered %"]
     watched = any(s.helper_kills is not None for s in items)  # the helper's kills, where a detector watched it
     headers += ["helper kills", "fallbacks"] if watched else []
     checked = any(s.key.check_arithmetic for s in items)
@@ -198,8 +198,7 @@ def table2(items: list[Summary]) -> Table:
             fmt(s.recovered)]
             + ([fmt(s.helper_kills), "-" if s.fallbacks is None else str(s.fallbacks)] if watched else [])
             + (["-" if s.set_aside is None else str(s.set_aside)] if checked else []))
-    align = ["l"] * len(_config_headers(with_dataset, with_setup, quant)) + ["r"] * (len(headers) - len(
-        _config_headers(with_dataset, with_setup, quant)))
+    align = ["l"] * len(config_headers) + ["r"] * (len(headers) - len(config_headers))
     notes = setups + ["degen %: wrong and >= 256 committed steps (or the step cap, if lower), among all trajectories; "
              "cap %: stopped by the token or step cap; helper steps %: of the committed steps, the helper's; "
              "early exit %: killed / all base candidates; "

@@ -302,23 +302,15 @@ def differences(a: dict, b: dict, ignore: tuple[str, ...] = (), same_configurati
     return out
 
 
-def distinct_setups(rows: list[dict], path: Path) -> list[dict]:
-    """The different setups of rows; rows without one (written by an older version) are refused."""
+def configuration_setups(rows: list[dict], path: Path) -> list[tuple[str, dict]]:
+    """The different (configuration key, setup) pairs of rows; rows without a setup (written by an older version)
+    are refused."""
     seen = {}
     for row in rows:
         if "setup" not in row:
             raise KVRescueError(f"{path} holds results written before model fingerprints were recorded, so they "
                                 "cannot be checked against this run: write to a new results file (`report` still "
                                 "reads the old one)")
-        seen.setdefault(json.dumps(row["setup"], sort_keys=True), row["setup"])
-    return list(seen.values())
-
-
-def configuration_setups(rows: list[dict], path: Path) -> list[tuple[str, dict]]:
-    """The different (configuration key, setup) pairs of rows (distinct_setups refuses rows without a setup)."""
-    distinct_setups(rows, path)
-    seen = {}
-    for row in rows:
         seen.setdefault((row["config_key"], json.dumps(row["setup"], sort_keys=True)), (row["config_key"], row["setup"]))
     return list(seen.values())
 

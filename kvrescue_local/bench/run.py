@@ -32,7 +32,7 @@ from .datasets import Dataset, Problem
 from .metrics import DEFAULT_CACHE, result_line
 from ..quantize import file_type
 from ..runtime.context import kv_bytes_per_cell
-from .results_file import (check_same_setup, configuration_setups, distinct_setups, problem_fingerprint, read_rows,
+from .results_file import (check_same_setup, configuration_setups, problem_fingerprint, read_rows,
                            repair_tail, row_key, settings, setup, weights_label, writing)
 
 
@@ -76,8 +76,8 @@ def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable
                check_arithmetic: bool = False) -> list[Axis]:
     """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once, the
     choice and the arithmetic check matter only where a round has more than one candidate, the base's weights and
-    cache only where the
-    base runs and the helper's cache only where the helper does (`caches`: (base, helper) cache labels)."""
+    cache only where the base runs and the helper's cache only where the helper does (`caches`: (base, helper) cache
+    labels)."""
     axes = []
     for mode, budget, n, policy, choice, weight, (kv_cache, helper_kv_cache) in product(
             map(Mode.parse, modes), budgets, ns, policies, choices, weights, caches):
@@ -190,14 +190,14 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
             merged["models"].update(made["models"])
             merged["settings"].update(made["settings"])  # a setting some configurations record (pick_margin)
         fix = "resume with the same models and options or write to a new results file"
-        for theirs in distinct_setups(rows, results):
-            check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results, fix)
         # rows of a configuration this sweep runs: against its own setup, where a setting the rows lack because they
-        # were written before it was recorded is compared by the value they ran with
+        # were written before it was recorded is compared by the value they ran with; other rows against their base's
         own = {axis.key: made for axis, made in setups.items()}
         for key, theirs in configuration_setups(rows, results):
             if key in own:
                 check_same_setup(own[key], [theirs], results, fix, same_configuration=True)
+            else:
+                check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results, fix)
         index, count = shard
         tasks = [(axis, p) for axis in axes for p in problems][index::count]
         todo, changed = undone(tasks, label, rows)
@@ -274,11 +274,10 @@ def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
                 raise KVRescueError(f"{path} holds no results lines: pass the results files of `bench run` (an "
                                     "empty, binary or cut-off file has none)")
             fix = "merge only shards of one sweep (same models and options)"
-            for theirs in distinct_setups(rows, path):
-                check_same_setup(theirs, setups, path, fix)
-                setups.append(theirs)
             for key, theirs in configuration_setups(rows, path):
+                check_same_setup(theirs, setups, path, fix)
                 check_same_setup(theirs, of_configuration.get(key, []), path, fix, same_configuration=True)
+                setups.append(theirs)
                 of_configuration.setdefault(key, []).append(theirs)
             for row in rows:
                 merged.setdefault(row_key(row), row)

@@ -90,10 +90,6 @@ class Candidate:
     false_arithmetic: list[str] | None = None  # the false equalities its step states, where the round checked
 
     @property
-    def states_false_arithmetic(self) -> bool:
-        return bool(self.false_arithmetic)
-
-    @property
     def killed(self) -> bool:
         return self.finished == "killed"
 
@@ -138,7 +134,7 @@ class Step:
         survivors = [c for c in self.candidates if not c.killed]
         if not any(c.false_arithmetic == [] for c in survivors):
             return 0
-        return sum(c.states_false_arithmetic for c in survivors)
+        return sum(bool(c.false_arithmetic) for c in survivors)
 
     def to_json(self) -> dict:
         out = {"round": self.round, "text": self.text, "source": self.source, "score": self.score,
@@ -204,7 +200,7 @@ class Trajectory:
         return sum(s.fallback for s in self.steps)
 
     @property
-    def arithmetic_demoted(self) -> int:
+    def set_aside(self) -> int:
         """Survivors set aside for stating false arithmetic while another survivor of their round stated none."""
         return sum(s.set_aside for s in self.steps)
 
