@@ -5,9 +5,9 @@
   (kvrescue_local/prmtrain/commit.py);
 - from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
   --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
-  regime rule the preset's default; below it the judge's pick on the datasets of the rows the judge was trained on
-  (--judge-rows, the rollouts `prm train` read), calibrated where a calibration was fitted for the dataset, the
-  helper's step first on the others.
+  regime rule the preset's default; below it the judge's pick, calibrated, on the datasets both of the rows the
+  judge was trained on (--judge-rows, the rollouts `prm train` read) and of a calibration fitted here, the helper's
+  step first on the others.
 A row of an evaluation problem is refused. With --write, the fitted settings are laid over what the file holds.
 
 Usage:
@@ -80,7 +80,7 @@ def main() -> None:
                 datasets[dataset] = {**datasets.get(dataset, {}), **result.rule()}
                 fitted_on.setdefault("calibration", {})[dataset] = {
                     "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])],
-                    "problems": result.problems, "rounds": result.rounds,
+                    "head_sha256": result.head, "problems": result.problems, "rounds": result.rounds,
                     "steps": {k: list(v) for k, v in result.steps.items()},
                     "arithmetic": {k: list(v) for k, v in result.arithmetic.items()}}
         if "bon" in modes:

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvrescue_local.bench.datasets import load_dataset, split_of
-from kvrescue_local.bench.results_file import read_rows
+from kvrescue_local.bench.results_file import file_hash, read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.presets import preset_spec
@@ -83,6 +83,10 @@ def test_the_fit_reads_training_rows_only_and_learns_that_the_helper_misleads():
         fit([*rows, evaluation], "rows")
     with pytest.raises(KVRescueError, match="all come from trajectories that ended wrong"):
         fit([r for r in rows if not r["correct"]], "rows")
+    scored_by = [{**r, "setup": {"models": {"prm": {"head_sha256": "head-a" if i else "head-b"}}}} for i, r in enumerate(rows)]
+    with pytest.raises(KVRescueError, match="scored by 2 reward heads"):
+        fit(scored_by, "rows")
+    assert fit(scored_by[1:], "rows").head == "head-a" and fitted.head is None
 
 
 def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(base_path, helper_path, tiny_prm_path,
@@ -167,16 +171,18 @@ def test_the_regime_budget_is_fitted_per_dataset_on_training_rows_where_the_evic
     rows += [sweep_row("gsm8k", str(i), "helper", i < 4) for i in range(10)]
     rows += [sweep_row("gsm8k", str(i), "bon", i < 2, 64) for i in range(10)]
     rows += [sweep_row("gsm8k", str(i), "bon", i < 6, 128) for i in range(10)]
-    fits = {f.dataset: f for f in fit_regime(rows, "rows", judged={"gsm8k"})}
+    fits = {f.dataset: f for f in fit_regime(rows, "rows", judged={"gsm8k"}, calibrated={"gsm8k"})}
     assert {d: f.judge_max_budget for d, f in fits.items()} == {"gsm8k": 64, "math500": 32}
     assert [(s.budget, s.problems, s.evicted, s.helper) for s in fits["math500"].scores] == [
         (32, 10, 1, 3), (64, 10, 3, 3), (128, 10, 1, 3)]
-    # the judge was trained on GSM8K's steps, not MATH500's: there the helper, the stronger writer, leads
-    assert {d: f.weak_base_choice for d, f in fits.items()} == {"gsm8k": "prm", "math500": "helper-first"}
+    # the judge was trained and calibrated on GSM8K's steps, not MATH500's: there the helper, the stronger writer, leads
+    assert {d: f.weak_base_choice for d, f in fits.items()} == {"gsm8k": "calibrated", "math500": "helper-first"}
     assert default_rule(f.rule() for f in fits.values()) == {
         "choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"}
-    assert default_rule([fits["gsm8k"].rule()])["weak_base_choice"] == "prm"
+    assert default_rule([fits["gsm8k"].rule()])["weak_base_choice"] == "helper-first", "no dataset: no calibration"
     assert {f.weak_base_choice for f in fit_regime(rows, "rows")} == {"helper-first"}, "no judge rows: no dataset judged"
+    uncalibrated = {f.weak_base_choice for f in fit_regime(rows, "rows", {"gsm8k", "math500"})}
+    assert uncalibrated == {"helper-first"}, "a judge trained on a dataset's steps picks there once calibrated on it"
     calibrated = {f.dataset: f.weak_base_choice for f in fit_regime(rows, "rows", {"gsm8k"}, calibrated={"gsm8k", "math500"})}
     assert calibrated == {"gsm8k": "calibrated", "math500": "helper-first"}, "a calibration serves a judged dataset only"
     stronger = [r for r in rows if not (r["dataset"] == "math500" and r["config"]["budget"] == 32)]
@@ -245,13 +251,19 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
     root = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(root / "perf/fit_commit.py")]
     training = [str(root / f"results/{name}.jsonl.zst")
-                for name in ("coder-math500-train-regime", "coder-gsm8k-n1", "coder-gsm8k-train120-judge64")]
-    ran = subprocess.run([*script, *training, "--judge-rows", training[1], "--write", str(tmp_path / "commit.json")],
+                for name in ("coder-math500-train-regime", "coder-gsm8k-n1", "coder-gsm8k-train120-both64")]
+    judged = [str(root / f"results/{name}.jsonl.zst")  # the rollouts the shipped head was trained on
+              for name in ("coder-gsm8k-n1", "coder-math500-train-full", "coder-math500-train-regime")]
+    ran = subprocess.run([*script, *training, "--judge-rows", *judged, "--write", str(tmp_path / "commit.json")],
                          capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     shipped = json.loads((root / "models/coder/commit.json").read_text())
     refitted = json.loads((tmp_path / "commit.json").read_text())
     assert (refitted["rule"], refitted["datasets"]) == (shipped["rule"], shipped["datasets"])
+    # a calibration maps one head's rewards: the shipped ones were fitted on rows the shipped head scored
+    head = file_hash(root / "models/coder/helper.head.npz")
+    assert {fit["head_sha256"] for fit in shipped["fit"]["calibration"].values()} == {head}
+    assert refitted["fit"]["calibration"] == shipped["fit"]["calibration"]
     assert "math500: helper-first up to budget 32" in ran.stdout and "gsm8k: calibrated up to budget 64" in ran.stdout
     for rows, says in ((root / "results/coder-gsm8k-regime.jsonl.zst", "is an evaluation problem"),
                        (root / "results/coder-math500-train-prm32.jsonl", "all come from trajectories that ended wrong")):
@@ -260,8 +272,8 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
         assert failed.returncode == 1 and len(errors) == 1 and says in errors[0], failed.stderr
         assert "Traceback" not in failed.stderr
     # KV-Rescue rows of MATH500's training problems: a calibration for MATH500 alone, and where the judge's training
-    # steps were MATH500's, its weak-base rule is calibrated; GSM8K's, with no KV-Rescue rows of its own here, stays the
-    # judge's pick, the rule's stays unfitted
+    # steps were MATH500's, its weak-base rule is calibrated; GSM8K's, with no KV-Rescue rows of its own here to
+    # calibrate the judge on, is the helper's step first, and so is the rule's, which stays uncalibrated
     ids = [p.id for p in load_dataset("math500", split="train").problems[:20]]
     kvrescue = tmp_path / "kvrescue.jsonl"
     kvrescue.write_text("".join(json.dumps(row(i, k % 2 == 0, [("base", 0.5, 0.6), ("helper", 0.4, 0.7)])) + "\n"
@@ -274,8 +286,9 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
     fitted = json.loads((tmp_path / "calibrated.json").read_text())
     assert fitted["datasets"]["math500"]["weak_base_choice"] == "calibrated"
     assert len(fitted["datasets"]["math500"]["calibration"]) == 4 and "helper_margin" in fitted["datasets"]["math500"]
-    assert fitted["datasets"]["gsm8k"]["weak_base_choice"] == "prm" and "calibration" not in fitted["datasets"]["gsm8k"]
-    assert "calibration" not in fitted["rule"] and fitted["rule"]["weak_base_choice"] == "prm"
+    assert fitted["datasets"]["gsm8k"]["weak_base_choice"] == "helper-first"
+    assert "calibration" not in fitted["datasets"]["gsm8k"]
+    assert "calibration" not in fitted["rule"] and fitted["rule"]["weak_base_choice"] == "helper-first"
     assert fitted["fit"]["calibration"]["math500"]["rows"] == ["kvrescue.jsonl"]
     for missing in ([str(tmp_path / "nope.jsonl")], [*training, "--judge-rows", str(tmp_path / "nope.jsonl")]):
         failed = subprocess.run([*script, *missing], capture_output=True, text=True)

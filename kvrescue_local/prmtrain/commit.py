@@ -53,6 +53,7 @@ class CommitFit:
     arithmetic: dict[str, tuple[int, int]]  # committed steps stating false arithmetic ("false") and not ("true"),
     # of them right
     check_arithmetic: bool
+    head: str | None  # the fingerprint of the reward head whose rewards were calibrated (results_file.file_hash)
 
     def rule(self) -> dict:
         return {"helper_margin": self.helper_margin, "calibration": list(self.calibration),
@@ -98,6 +99,11 @@ def fit(rows: list[dict], where: str) -> CommitFit:
     rows, _ = usable(rows)
     check_split(rows, "train", where)
     rows = [r for r in rows if (r.get("config") or {}).get("mode") == "kvrescue"]
+    heads = {((r.get("setup") or {}).get("models") or {}).get("prm", {}).get("head_sha256") for r in rows}
+    if len(heads) > 1:
+        raise KVRescueError(f"{where}: the rows were scored by {len(heads)} reward heads "
+                            f"({', '.join(sorted(str(h)[:8] for h in heads))}): a calibration maps one head's rewards, "
+                            "fit on the rows of one")
     rounds = scored_rounds(rows)
     labels = {r.right for r in rounds}
     if labels != {0, 1}:
@@ -129,4 +135,4 @@ def fit(rows: list[dict], where: str) -> CommitFit:
     check = (len(false_steps) >= MIN_FALSE_STEPS
              and sum(false_steps) * len(true_steps) < sum(true_steps) * len(false_steps))
     return CommitFit(tuple(round(x, 6) for x in calibration), margin, len({r.problem for r in rounds}), len(rounds),
-                     steps, arithmetic, check)
+                     steps, arithmetic, check, next(iter(heads), None))

@@ -8,10 +8,12 @@ solved fewer of the problems than the helper alone, on the problems both ran; 0 
 already favours the base. It is fitted per dataset: the regime belongs to the pair and the task, not to the budget
 alone (the training problems of GSM8K and MATH500 put the crossing at different budgets: docs/prm.md).
 
-Where the base is the weaker writer, the rule is the judge's pick on a dataset whose training steps the judge was
-trained on (its rows are given: the judge's ranking of that dataset's steps was cross-validated there), calibrated
-per source where KV-Rescue rows of the dataset's training problems fitted a calibration, and the
-helper's step first elsewhere: a judge not known to rank a dataset's steps would pick between the writers on a guess.
+Where the base is the weaker writer, the rule is the judge's pick calibrated per source on a dataset whose training
+steps the judge was trained on (its rows are given: the judge's ranking of that dataset's steps was cross-validated
+there) and whose KV-Rescue training rows fitted a calibration, and the helper's step first elsewhere. A judge not
+known to rank a dataset's steps would pick between the writers on a guess; one that ranks them, uncalibrated, still
+compares one writer's rewards with the other's on one scale, and on MATH500 it scored the weaker writer's steps the
+higher on average (docs/prm.md).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class RegimeFit:
     dataset: str
     scores: tuple[BudgetScore, ...]  # by budget, ascending
     judge_max_budget: int
-    # "prm" ("calibrated" with a calibration) where the judge was trained on the dataset's steps, else "helper-first"
+    # "calibrated" where the judge was trained on the dataset's steps and calibrated on its rows, else "helper-first"
     weak_base_choice: str
 
     def rule(self) -> dict:
@@ -56,9 +58,9 @@ def one_candidate(rows: list[dict], mode: str) -> list[dict]:
 
 def fit_regime(rows: list[dict], where: str, judged: Iterable[str] = (), calibrated: Iterable[str] = ()) -> list[RegimeFit]:
     """Per dataset, the regime budget from evicted best-of-N (N = 1, one eviction policy) and helper-alone rows of
-    its training problems (any evaluation row is refused); `judged`: the datasets whose training steps trained the
-    judge, where the weak base's rule is the judge's pick, calibrated on those of them in `calibrated` (a
-    calibration fitted on the dataset's training rows: commit.py)."""
+    its training problems (any evaluation row is refused). The weak base's rule is the judge's calibrated pick on the
+    datasets both in `judged` (their training steps trained the judge) and in `calibrated` (a calibration fitted on
+    their KV-Rescue training rows: commit.py), the helper's step first on the others."""
     judged, calibrated = set(judged), set(calibrated)
     check_split(rows, "train", where)
     fits = []
@@ -86,8 +88,8 @@ def fit_regime(rows: list[dict], where: str, judged: Iterable[str] = (), calibra
                 break
             judge_max_budget = score.budget
         if scores:
-            fits.append(RegimeFit(dataset, tuple(scores), judge_max_budget, "helper-first" if dataset not in judged
-                                  else "calibrated" if dataset in calibrated else "prm"))
+            fits.append(RegimeFit(dataset, tuple(scores), judge_max_budget,
+                                  "calibrated" if dataset in judged & calibrated else "helper-first"))
     if not fits:
         raise KVRescueError(f"{where}: no dataset has both evicted best-of-N and helper-alone rows at N = 1 on the same "
                             "training problems: run `bench run --split train --modes bon,helper --ns 1 --budgets ...`")
@@ -97,8 +99,6 @@ def fit_regime(rows: list[dict], where: str, judged: Iterable[str] = (), calibra
 def default_rule(rules: Iterable[dict]) -> dict:
     """The rule for problems of no known dataset (solve, serve), from the datasets' rules (RegimeFit.rule): the
     smallest fitted budget, where the base was the weaker writer on every dataset measured, and there the helper's
-    step first unless the judge was trained on every dataset's steps (it was not on the problem's)."""
-    rules = list(rules)
-    judged = all(r.get("weak_base_choice", "prm") != "helper-first" for r in rules)
+    step first: no calibration was fitted on the problem's dataset."""
     return {"choice": "regime", "judge_max_budget": min(r["judge_max_budget"] for r in rules),
-            "weak_base_choice": "prm" if judged else "helper-first"}
+            "weak_base_choice": "helper-first"}
