@@ -211,6 +211,20 @@ def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
             f"(difference +66.7 points, 95% paired bootstrap interval {c.low:+.1f} to {c.high:+.1f})") in render(rows)
 
 
+def test_a_configuration_run_again_counts_each_problem_once_also_beside_rows_from_before_fingerprints(tmp_path):
+    """Rows written before problems were fingerprinted and a later run of the same configuration, fingerprinted, are
+    the same problems: the table and the pairing both take the first rows given, once each."""
+    evicted = synthetic("bon", 1, 64, [False, False, False, False])
+    first = synthetic("kvrescue", 1, 64, [True, True, False, False])
+    again = synthetic("kvrescue", 1, 64, [True, False, False, False])
+    for row in [*evicted, *again]:
+        row["problem_sha256"] = f"sha-{row['id']}"
+    text = render(load_results(write_jsonl(tmp_path / "r.jsonl", evicted + first + again)))
+    row = next(line.split() for line in table_lines(text, "Table 2") if line.split()[:1] == ["kvrescue"])
+    assert row[4:6] == ["4", "50.0"], "4 problems once each, the first run's 2 right"
+    assert "kvrescue b64 n1 streaming vs bon b64 n1 streaming, on the 4 problems both ran: 50.0% vs 0.0%" in text
+
+
 def test_a_checked_configuration_is_compared_with_the_same_unchecked_and_counts_what_it_set_aside(tmp_path):
     unchecked = synthetic("kvrescue", 1, 64, [True, False, False, False])
     checked = synthetic("kvrescue", 1, 64, [True, True, False])

@@ -28,8 +28,8 @@ from pathlib import Path
 from ..errors import KVRescueError
 from ..files import check_input_file, decompressed
 from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, check_comparisons, choice_comparisons,
-                      config_key, judge_comparisons, oracles, rule_comparisons, setup_comparisons, setup_notes,
-                      summaries)
+                      config_key, judge_comparisons, oracles, problem_keys, rule_comparisons, setup_comparisons,
+                      setup_notes, summaries)
 from .results_file import upgrade
 from .throughput import Throughput, same_axes, throughputs
 
@@ -275,11 +275,12 @@ def paired_text(c: PairedComparison) -> str:
 
 
 def once_each(rows: list[dict], pool_setups: bool) -> list[dict]:
-    """The first row of each problem and configuration: runs at other concurrencies repeat the same results."""
+    """The first row of each problem and configuration: runs at other concurrencies repeat the same results. A row
+    written before problems were fingerprinted is the same problem as the fingerprinted rows of its id (problem_keys)."""
+    problem = problem_keys(rows)
     first: dict[tuple, dict] = {}
     for row in rows:
-        first.setdefault((row.get("dataset"), row.get("id"), row.get("problem_sha256"), config_key(row, pool_setups)),
-                         row)
+        first.setdefault((row.get("dataset"), problem(row), config_key(row, pool_setups)), row)
     return list(first.values())
 
 
