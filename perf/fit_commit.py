@@ -6,8 +6,8 @@
 - from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
   --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
   regime rule the preset's default; below it the judge's pick, calibrated, on the datasets both of the rows the
-  judge was trained on (--judge-rows, the rollouts `prm train` read) and of a calibration fitted here, the helper's
-  step first on the others.
+  judge was trained on (--judge-rows, the rollouts `prm train` read) and of a calibration (fitted here, or stored in
+  the --write file), the helper's step first on the others.
 A row of an evaluation problem is refused. With --write, the fitted settings are laid over what the file holds.
 
 Usage:

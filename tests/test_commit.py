@@ -87,6 +87,8 @@ def test_the_fit_reads_training_rows_only_and_learns_that_the_helper_misleads():
     with pytest.raises(KVRescueError, match="scored by 2 reward heads"):
         fit(scored_by, "rows")
     assert fit(scored_by[1:], "rows").head == "head-a" and fitted.head is None
+    unscored = row(ids[40], True, [("base", None, None)])  # a random choice's row: nothing scored, no PRM recorded
+    assert fit([*scored_by[1:], unscored], "rows").head == "head-a", "a row the fit does not read names no head"
 
 
 def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(base_path, helper_path, tiny_prm_path,

@@ -219,9 +219,12 @@ def test_a_configuration_run_again_counts_each_problem_once_also_beside_rows_fro
     again = synthetic("kvrescue", 1, 64, [True, False, False, False])
     for row in [*evicted, *again]:
         row["problem_sha256"] = f"sha-{row['id']}"
-    text = render(load_results(write_jsonl(tmp_path / "r.jsonl", evicted + first + again)))
-    row = next(line.split() for line in table_lines(text, "Table 2") if line.split()[:1] == ["kvrescue"])
-    assert row[4:6] == ["4", "50.0"], "4 problems once each, the first run's 2 right"
+    elsewhere = synthetic("kvrescue", 1, 64, [False, False, False, False], dataset="gsm8k")  # the same ids
+    for row in elsewhere:
+        row["problem_sha256"] = f"other-{row['id']}"
+    text = render(load_results(write_jsonl(tmp_path / "r.jsonl", evicted + first + again + elsewhere)))
+    row = next(line.split() for line in table_lines(text, "Table 2") if line.split()[:2] == ["math500", "kvrescue"])
+    assert row[5:7] == ["4", "50.0"], "4 problems once each, the first run's 2 right"
     assert "kvrescue b64 n1 streaming vs bon b64 n1 streaming, on the 4 problems both ran: 50.0% vs 0.0%" in text
 
 

@@ -277,10 +277,11 @@ def paired_text(c: PairedComparison) -> str:
 def once_each(rows: list[dict], pool_setups: bool) -> list[dict]:
     """The first row of each problem and configuration: runs at other concurrencies repeat the same results. A row
     written before problems were fingerprinted is the same problem as the fingerprinted rows of its id (problem_keys)."""
-    problem = problem_keys(rows)
+    problem = {dataset: problem_keys([r for r in rows if r.get("dataset") == dataset])
+               for dataset in {row.get("dataset") for row in rows}}
     first: dict[tuple, dict] = {}
     for row in rows:
-        first.setdefault((row.get("dataset"), problem(row), config_key(row, pool_setups)), row)
+        first.setdefault((row.get("dataset"), problem[row.get("dataset")](row), config_key(row, pool_setups)), row)
     return list(first.values())
 
 

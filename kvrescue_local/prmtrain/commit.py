@@ -99,12 +99,15 @@ def fit(rows: list[dict], where: str) -> CommitFit:
     rows, _ = usable(rows)
     check_split(rows, "train", where)
     rows = [r for r in rows if (r.get("config") or {}).get("mode") == "kvrescue"]
-    heads = {((r.get("setup") or {}).get("models") or {}).get("prm", {}).get("head_sha256") for r in rows}
+    of_row = [(row, scored_rounds([row])) for row in rows]
+    rounds = [r for _, mine in of_row for r in mine]
+    # the heads of the rows the fit reads (rows of a random choice score nothing and record no PRM)
+    heads = {((row.get("setup") or {}).get("models") or {}).get("prm", {}).get("head_sha256") for row, mine in of_row
+             if mine}
     if len(heads) > 1:
-        raise KVRescueError(f"{where}: the rows were scored by {len(heads)} reward heads "
-                            f"({', '.join(sorted(str(h)[:8] for h in heads))}): a calibration maps one head's rewards, "
-                            "fit on the rows of one")
-    rounds = scored_rounds(rows)
+        named = sorted("no head recorded" if h is None else h[:8] for h in heads)
+        raise KVRescueError(f"{where}: the rows were scored by {len(heads)} reward heads ({', '.join(named)}): a "
+                            "calibration maps one head's rewards, fit on the rows of one")
     labels = {r.right for r in rounds}
     if labels != {0, 1}:
         raise KVRescueError(f"{where}: the {len(rounds)} scored rounds of {len({r.problem for r in rounds})} problems "

@@ -86,7 +86,7 @@ class RescueConfig:
     judge_max_budget: int = 0
     # with choice "regime", the rule where the base is the weaker writer: the PRM's favourite ("prm", as every regime
     # row before this setting), calibrated per source ("calibrated"), or the helper's step first ("helper-first")
-    # where the PRM is not known to rank the dataset's steps (prmtrain/regime.py)
+    # where the PRM is not known to rank the dataset's steps or not calibrated on them (prmtrain/regime.py)
     weak_base_choice: str = "prm"
     # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
     # helper is not watched, the default, as in every row written before these settings. A round whose candidates
