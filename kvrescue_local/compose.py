@@ -95,6 +95,32 @@ class Selection:
     def config(self, options: dict, dataset: str | None = None, **overrides) -> RescueConfig:
         return preset_config(self.preset, dataset, **merged(option_overrides(options), overrides))
 
+    @property
+    def head(self) -> Path | None:
+        """The PRM's reward head: the one given or the preset's, else the one beside the PRM's backbone (None: no
+        PRM, or `--prm helper` with no head)."""
+        if self.paths["prm_head"]:
+            return Path(self.paths["prm_head"])
+        return None if self.paths["prm"] in (None, HELPER) else head_path(self.paths["prm"])
+
+
+def check_calibration_head(selection: Selection, dataset: str | None, configs: list[RescueConfig]) -> None:
+    """A preset's calibration for `dataset` maps the rewards of the head it was fitted on (Preset.calibration_heads):
+    a configuration that commits by it with another head would read that head's rewards as probabilities they are
+    not, so it is refused before any model loads."""
+    preset = selection.preset
+    fitted = preset.calibration_heads.get(dataset) if preset and dataset else None
+    head = selection.head
+    if fitted is None or head is None or not head.exists():  # a missing head is open_models' error
+        return
+    calibrated = [config for config in configs if config.needs_prm and config.rule == "calibrated"]
+    if calibrated and file_hash(head) != fitted:
+        raise KVRescueError(f"the {preset.name} preset's {dataset} calibration (its commit.json) was fitted on the "
+                            f"rewards of head {fitted[:8]}, and --choice {calibrated[0].choice} at budget "
+                            f"{calibrated[0].kv.budget} would read those of {head} ({file_hash(head)[:8]}) through it: "
+                            "pass --choice prm, base-first or helper-first, or refit the calibration on rows this "
+                            "head scored (perf/fit_commit.py, docs/prm.md)")
+
 
 def prm_head_given(value: str | None) -> tuple[str | None, Path | None]:
     """--prm helper[:HEAD.npz] or PATH.gguf[:HEAD.npz]: the PRM without its head, and the head file given (None:
@@ -178,7 +204,7 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
         raise KVRescueError(f"--prm helper needs a head trained on the helper's context, and {missing}: "
                             f"`kvrescue-local prm train --preset {name} --format helper-value` trains one, or pass "
                             "--prm helper:HEAD.npz")
-    head = paths["prm_head"] or (paths["prm"] and head_path(paths["prm"]))
+    head = selection.head
     if max_candidates > 1 and not in_helper and not Path(head).exists():
         raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset {name}` "
                             "trains one (or pass --prm with a converted PRM)")

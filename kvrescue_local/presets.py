@@ -50,6 +50,9 @@ class Preset:
     dataset_recipes: dict = field(default_factory=dict)
     prm_head: Path | None = None  # the PRM's reward head when it is not beside the backbone (head_path(prm))
     helper_head: Path | None = None  # the head `--prm helper` reads the helper's context with
+    # per dataset, the fingerprint (results_file.file_hash) of the reward head its calibration maps the rewards of
+    # (commit.json's "fit"): another head's rewards would be read through a map fitted on this one's
+    calibration_heads: dict = field(default_factory=dict)
 
 
 def write_once(path: Path, write) -> None:
@@ -107,10 +110,12 @@ COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "judge_
 def preset_spec(directory: Path) -> dict:
     """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe's detector
     settings, and its commit.json's fitted rule settings ("rule", written by perf/fit_commit.py beside what they
-    were fitted on, "fit") over the recipe; commit.json's "datasets" hold rule settings fitted per dataset."""
+    were fitted on, "fit") over the recipe; commit.json's "datasets" hold rule settings fitted per dataset, and its
+    "fit" the head each dataset's calibration was fitted on."""
     spec = _read_json(directory / "preset.json")
     recipe = dict(spec.get("recipe") or {})
     dataset_recipes: dict = {}
+    heads: dict = {}
     if (directory / "detector.json").exists():
         recipe["detector"] = {**recipe.get("detector", {}), **_read_json(directory / "detector.json")}
     if (directory / "commit.json").exists():
@@ -122,8 +127,12 @@ def preset_spec(directory: Path) -> dict:
                                 "with perf/fit_commit.py or restore it from the repository")
         recipe.update(commit["rule"])
         dataset_recipes = commit.get("datasets") or {}
+        fitted = commit.get("fit") if isinstance(commit.get("fit"), dict) else {}
+        fits = fitted.get("calibration") if isinstance(fitted.get("calibration"), dict) else {}
+        heads = {dataset: fits[dataset]["head_sha256"] for dataset, rule in dataset_recipes.items()
+                 if "calibration" in rule and isinstance(fits.get(dataset), dict) and fits[dataset].get("head_sha256")}
     return {"note": spec.get("note", ""), "prompt": spec.get("prompt"), "recipe": recipe,
-            "dataset_recipes": dataset_recipes}
+            "dataset_recipes": dataset_recipes, "calibration_heads": heads}
 
 
 MODELS_CACHE = CACHE / "models"

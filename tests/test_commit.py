@@ -130,6 +130,45 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(
     assert resumed.exit_code != 0 and "helper_margin 0.2 vs 0.3" in resumed.output, resumed.output
 
 
+def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, monkeypatch):
+    """A preset's dataset calibration names its head (commit.json's fit); a sweep whose rule would commit by it with
+    another head is one Error line before any model loads, and runs with the fitted head or a rule that does not
+    read it."""
+    import dataclasses
+
+    import numpy as np
+
+    from kvrescue_local import presets
+    from kvrescue_local.prm import RewardHead, head_path
+
+    (tmp_path / "preset.json").write_text("{}")
+    (tmp_path / "commit.json").write_text(json.dumps({
+        "rule": {}, "datasets": {"gsm8k": {"calibration": [1, 0, 2, -1]}, "math500": {"choice": "regime"}},
+        "fit": {"calibration": {"gsm8k": {"head_sha256": "0123456789abcdef"}, "math500": {"head_sha256": "x"}}}}))
+    assert preset_spec(tmp_path)["calibration_heads"] == {"gsm8k": "0123456789abcdef"}, "only a calibration's head"
+    toy = presets.load_preset("toy")
+    fitted = head_path(toy.prm)
+    calibration = [2.0, -1.0, 1.0, 0.0]
+    monkeypatch.setitem(presets.PRESETS, "toy", lambda: dataclasses.replace(
+        toy, dataset_recipes={"toy": {"choice": "calibrated", "calibration": calibration}},
+        calibration_heads={"toy": file_hash(fitted)}))
+    other = RewardHead.load(fitted)
+    other = dataclasses.replace(other, weights=[w + np.float32(0.5) for w in other.weights]).save(tmp_path / "o.npz")
+    args = ["bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "1", "--modes", "kvrescue", "--ns", "1",
+            "--budgets", "32", "--max-tokens", "40", "--max-step-tokens", "16"]
+    refused = CliRunner().invoke(main, [*args, "--prm", f"{toy.prm}:{other}", "--results", str(tmp_path / "r.jsonl")])
+    errors = [line for line in refused.output.splitlines() if line.startswith("Error:")]
+    assert refused.exit_code != 0 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
+    assert f"head {file_hash(fitted)[:8]}" in errors[0] and f"{other} ({file_hash(other)[:8]})" in errors[0]
+    assert "--choice prm" in errors[0] and not (tmp_path / "r.jsonl").exists()
+    for results, given in (("fitted.jsonl", []), ("prm.jsonl", ["--prm", f"{toy.prm}:{other}", "--choice", "prm"])):
+        ran = CliRunner().invoke(main, [*args, *given, "--results", str(tmp_path / results)])
+        assert ran.exit_code == 0, ran.output
+    row, = read_rows(tmp_path / "fitted.jsonl")
+    assert row["config"]["choice"] == "calibrated" and row["setup"]["settings"]["calibration"] == calibration
+    assert row["setup"]["models"]["prm"]["head_sha256"] == file_hash(fitted)
+
+
 @pytest.mark.parametrize("choice", ["base-first", "calibrated"])
 def test_a_rule_that_reads_rewards_loads_the_presets_prm_when_none_is_given(base_path, helper_path, choice):
     ran = CliRunner().invoke(main, ["solve", "--mode", "kvrescue", "-n", "1", "--budget", "32", "--buffer", "16",

@@ -9,7 +9,7 @@ import click
 from ..bench.datasets import DATASET_NAMES, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
-from ..compose import model_facts, open_model, open_models, select_models
+from ..compose import check_calibration_head, model_facts, open_model, open_models, select_models
 from ..errors import KVRescueError
 from ..hub import resolve_gguf
 from ..quantize import WEIGHT_TYPES
@@ -93,6 +93,7 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
                       template.check_arithmetic)
     # refuses a bad budget, policy, N or cache type before any model is loaded
     configs = [rescue_config(axis, template) for axis in axes]
+    check_calibration_head(selection, None if data else dataset, configs)
     candidates = max((c.candidates_per_round for c in configs if c.needs_prm), default=1)
     check_prm_ctx(template, options["prm_ctx"])
     allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
