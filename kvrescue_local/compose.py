@@ -106,20 +106,23 @@ class Selection:
 
 def check_calibration_head(selection: Selection, dataset: str | None, configs: list[RescueConfig]) -> None:
     """A preset's calibration for `dataset` maps the rewards of the head it was fitted on (Preset.calibration_heads):
-    a configuration that commits by it with another head would read that head's rewards as probabilities they are
-    not, so it is refused before any model loads."""
+    a configuration that commits by it between the base's and the helper's steps with another head would read that
+    head's rewards as probabilities they are not, so it is refused before any model loads. (Among one side's
+    candidates the map, rising in the reward, picks the best-rewarded whatever its fit.)"""
     preset = selection.preset
     fitted = preset.calibration_heads.get(dataset) if preset and dataset else None
     head = selection.head
     if fitted is None or head is None or not head.exists():  # a missing head is open_models' error
         return
-    calibrated = [config for config in configs if config.needs_prm and config.rule == "calibrated"]
-    if calibrated and file_hash(head) != fitted:
+    calibrated = [config for config in configs
+                  if config.needs_prm and config.mode.sides > 1 and config.rule == "calibrated"]
+    used = file_hash(head) if calibrated else fitted
+    if used != fitted:
         raise KVRescueError(f"the {preset.name} preset's {dataset} calibration (its commit.json) was fitted on the "
                             f"rewards of head {fitted[:8]}, and --choice {calibrated[0].choice} at budget "
-                            f"{calibrated[0].kv.budget} would read those of {head} ({file_hash(head)[:8]}) through it: "
-                            "pass --choice prm, base-first or helper-first, or refit the calibration on rows this "
-                            "head scored (perf/fit_commit.py, docs/prm.md)")
+                            f"{calibrated[0].kv.budget} would read those of {head} ({used[:8]}) through it: pass "
+                            "--choice prm, base-first or helper-first, or refit the calibration on rows this head "
+                            "scored (perf/fit_commit.py, docs/prm.md)")
 
 
 def prm_head_given(value: str | None) -> tuple[str | None, Path | None]:

@@ -127,10 +127,17 @@ def preset_spec(directory: Path) -> dict:
                                 "with perf/fit_commit.py or restore it from the repository")
         recipe.update(commit["rule"])
         dataset_recipes = commit.get("datasets") or {}
-        fitted = commit.get("fit") if isinstance(commit.get("fit"), dict) else {}
-        fits = fitted.get("calibration") if isinstance(fitted.get("calibration"), dict) else {}
-        heads = {dataset: fits[dataset]["head_sha256"] for dataset, rule in dataset_recipes.items()
-                 if "calibration" in rule and isinstance(fits.get(dataset), dict) and fits[dataset].get("head_sha256")}
+        fit = commit.get("fit") if isinstance(commit.get("fit"), dict) else {}
+        calibration_fits = fit.get("calibration") if isinstance(fit.get("calibration"), dict) else {}
+        for dataset, rule in dataset_recipes.items():
+            entry = calibration_fits.get(dataset)
+            head = entry.get("head_sha256") if "calibration" in rule and isinstance(entry, dict) else None
+            if head is not None and not isinstance(head, str):
+                raise KVRescueError(f"{directory / 'commit.json'} names the head of {dataset}'s calibration by "
+                                    f"{head!r}, not a fingerprint: refit it with perf/fit_commit.py or restore it "
+                                    "from the repository")
+            if head:
+                heads[dataset] = head
     return {"note": spec.get("note", ""), "prompt": spec.get("prompt"), "recipe": recipe,
             "dataset_recipes": dataset_recipes, "calibration_heads": heads}
 

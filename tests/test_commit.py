@@ -132,9 +132,10 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(
 
 def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, monkeypatch):
     """A preset's dataset calibration names its head (commit.json's fit); a sweep whose rule would commit by it with
-    another head is one Error line before any model loads, and runs with the fitted head or a rule that does not
-    read it."""
+    another head is one Error line before any model loads, and runs with the fitted head, at a budget where the rule
+    reads no calibration, or where one side's candidates alone are chosen between."""
     import dataclasses
+    import importlib
 
     import numpy as np
 
@@ -142,31 +143,49 @@ def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, mon
     from kvrescue_local.prm import RewardHead, head_path
 
     (tmp_path / "preset.json").write_text("{}")
-    (tmp_path / "commit.json").write_text(json.dumps({
-        "rule": {}, "datasets": {"gsm8k": {"calibration": [1, 0, 2, -1]}, "math500": {"choice": "regime"}},
-        "fit": {"calibration": {"gsm8k": {"head_sha256": "0123456789abcdef"}, "math500": {"head_sha256": "x"}}}}))
+    commit = {"rule": {}, "datasets": {"gsm8k": {"calibration": [1, 0, 2, -1]}, "math500": {"choice": "regime"}},
+              "fit": {"calibration": {"gsm8k": {"head_sha256": "0123456789abcdef"}, "math500": {"head_sha256": "x"}}}}
+    (tmp_path / "commit.json").write_text(json.dumps(commit))
     assert preset_spec(tmp_path)["calibration_heads"] == {"gsm8k": "0123456789abcdef"}, "only a calibration's head"
+    commit["fit"]["calibration"]["gsm8k"]["head_sha256"] = 7
+    (tmp_path / "commit.json").write_text(json.dumps(commit))
+    with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
+        preset_spec(tmp_path)
     toy = presets.load_preset("toy")
     fitted = head_path(toy.prm)
     calibration = [2.0, -1.0, 1.0, 0.0]
-    monkeypatch.setitem(presets.PRESETS, "toy", lambda: dataclasses.replace(
-        toy, dataset_recipes={"toy": {"choice": "calibrated", "calibration": calibration}},
+    monkeypatch.setitem(presets.PRESETS, "toy", lambda: dataclasses.replace(toy, dataset_recipes={"toy": {
+        "choice": "regime", "judge_max_budget": 32, "weak_base_choice": "calibrated", "calibration": calibration}},
         calibration_heads={"toy": file_hash(fitted)}))
     other = RewardHead.load(fitted)
     other = dataclasses.replace(other, weights=[w + np.float32(0.5) for w in other.weights]).save(tmp_path / "o.npz")
-    args = ["bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "1", "--modes", "kvrescue", "--ns", "1",
-            "--budgets", "32", "--max-tokens", "40", "--max-step-tokens", "16"]
-    refused = CliRunner().invoke(main, [*args, "--prm", f"{toy.prm}:{other}", "--results", str(tmp_path / "r.jsonl")])
+    args = ["bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "1", "--ns", "1", "--max-tokens", "40",
+            "--max-step-tokens", "16"]
+    with_other = ["--prm", f"{toy.prm}:{other}"]
+    bench = importlib.import_module("kvrescue_local.cli.bench")  # the module, not the `bench` command group
+    opened = bench.open_models
+
+    def refused_before_loading(*_args, **_kwargs):
+        raise AssertionError("a model was opened")
+
+    monkeypatch.setattr(bench, "open_models", refused_before_loading)
+    refused = CliRunner().invoke(main, [*args, *with_other, "--modes", "kvrescue", "--budgets", "32,64", "--results",
+                                        str(tmp_path / "r.jsonl")])
     errors = [line for line in refused.output.splitlines() if line.startswith("Error:")]
-    assert refused.exit_code != 0 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
+    assert refused.exit_code == 1 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
     assert f"head {file_hash(fitted)[:8]}" in errors[0] and f"{other} ({file_hash(other)[:8]})" in errors[0]
-    assert "--choice prm" in errors[0] and not (tmp_path / "r.jsonl").exists()
-    for results, given in (("fitted.jsonl", []), ("prm.jsonl", ["--prm", f"{toy.prm}:{other}", "--choice", "prm"])):
+    assert "--choice regime at budget 32" in errors[0] and "--choice prm" in errors[0]
+    monkeypatch.setattr(bench, "open_models", opened)
+    for results, given in (("fitted.jsonl", ["--modes", "kvrescue", "--budgets", "32"]),
+                           ("above.jsonl", [*with_other, "--modes", "kvrescue", "--budgets", "64"]),
+                           ("prm.jsonl", [*with_other, "--modes", "kvrescue", "--budgets", "32", "--choice", "prm"]),
+                           ("bon.jsonl", [*with_other, "--modes", "bon", "--budgets", "32", "--ns", "2"])):
         ran = CliRunner().invoke(main, [*args, *given, "--results", str(tmp_path / results)])
         assert ran.exit_code == 0, ran.output
     row, = read_rows(tmp_path / "fitted.jsonl")
-    assert row["config"]["choice"] == "calibrated" and row["setup"]["settings"]["calibration"] == calibration
+    assert row["config"]["choice"] == "regime" and row["setup"]["settings"]["calibration"] == calibration
     assert row["setup"]["models"]["prm"]["head_sha256"] == file_hash(fitted)
+    assert read_rows(tmp_path / "bon.jsonl")[0]["setup"]["models"]["prm"]["head_sha256"] == file_hash(other)
 
 
 @pytest.mark.parametrize("choice", ["base-first", "calibrated"])

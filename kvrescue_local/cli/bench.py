@@ -8,7 +8,7 @@ import click
 
 from ..bench.datasets import DATASET_NAMES, load_dataset
 from ..bench.results_file import read_rows
-from ..bench.run import cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
+from ..bench.run import Axis, cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 from ..compose import check_calibration_head, model_facts, open_model, open_models, select_models
 from ..errors import KVRescueError
 from ..hub import resolve_gguf
@@ -84,16 +84,21 @@ def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choic
     template = selection.config(options, None if data else dataset, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
     choices = choices or [template.choice]
     caches = cache_axis(cache_types, template, options)
+
+    def axes_of(weights: list[str]) -> list[Axis]:
+        return sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, weights, caches,
+                          template.check_arithmetic)
+
+    # a configuration's rule does not depend on its base: checked before --weight-types quantizes anything
+    check_calibration_head(selection, None if data else dataset, [rescue_config(axis, template) for axis in axes_of([""])])
     base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}
     check_writable(results, "--results", special=False,
                    reads=[*((MODEL_OPTIONS.get(role, role), path) for role, path in selection.paths.items()
                             if isinstance(path, Path)),  # not `--prm helper`'s name
                           *(("--bases", path) for path in base_files.values())])
-    axes = sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, list(base_files) or [""], caches,
-                      template.check_arithmetic)
+    axes = axes_of(list(base_files) or [""])
     # refuses a bad budget, policy, N or cache type before any model is loaded
     configs = [rescue_config(axis, template) for axis in axes]
-    check_calibration_head(selection, None if data else dataset, configs)
     candidates = max((c.candidates_per_round for c in configs if c.needs_prm), default=1)
     check_prm_ctx(template, options["prm_ctx"])
     allowed = parse_size(memory, "--memory") if memory else available_memory() // 2
