@@ -45,6 +45,22 @@ def test_gsm8k_splits_never_mix_and_other_datasets_refuse_a_split():
         load_dataset("toy", split="train")
 
 
+def test_skip_starts_after_the_first_problems_of_the_split_and_a_sweep_runs_those_alone(base_path, tmp_path):
+    later = load_dataset("gsm8k", split="eval", skip=100, limit=3)
+    assert [p.id for p in later.problems] == ["1000", "1001", "1002"]
+    assert [p.id for p in load_dataset("gsm8k", skip=899).problems] == [str(i) for i in range(899, 1319)]
+    with pytest.raises(KVRescueError, match=r"--skip 419 leaves no problem: gsm8k \(eval\) has 419"):
+        load_dataset("gsm8k", split="eval", skip=419)
+    results = tmp_path / "next.jsonl"
+    args = ["bench", "run", "--dataset", "gsm8k", "--split", "eval", "--skip", "100", "--limit", "2", "--modes", "full",
+            "--ns", "1", "--max-tokens", "8", "--base", str(base_path), "--results", str(results)]
+    ran = CliRunner().invoke(main, args)
+    assert ran.exit_code == 0, ran.output
+    assert sorted(r["id"] for r in read_rows(results)) == ["1000", "1001"]
+    refused = CliRunner().invoke(main, [*args[:6], "--skip", "419", *args[8:]])
+    assert refused.exit_code != 0 and refused.output.strip().splitlines()[-1].startswith("Error: --skip 419")
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -152,9 +152,10 @@ def split_of(dataset: str, problem_id: str) -> str | None:
 
 
 def load_dataset(name: str | None = None, path: str | Path | None = None, limit: int | None = None,
-                 cache_dir: str | Path | None = None, offline: bool | None = None, split: str | None = None) -> Dataset:
-    """A dataset by name or from a JSONL path (the problems of one split when given), its first `limit` problems
-    when given."""
+                 cache_dir: str | Path | None = None, offline: bool | None = None, split: str | None = None,
+                 skip: int = 0) -> Dataset:
+    """A dataset by name or from a JSONL path (the problems of one split when given), from its problem `skip` on
+    (the next problems of a split after a run on its first ones), its first `limit` of those when given."""
     if split is not None and (path is not None or name not in SPLITS or split not in SPLITS[name]):
         splits = ", ".join(f"{d} ({'/'.join(s)})" for d, s in SPLITS.items())
         raise KVRescueError(f"--split {split} needs a dataset with that split: {splits}")
@@ -174,4 +175,8 @@ def load_dataset(name: str | None = None, path: str | Path | None = None, limit:
     problems = dataset.problems
     if split is not None:
         problems = [p for p in problems if split_of(dataset.label, p.id) == split]
+    if skip and skip >= len(problems):
+        raise KVRescueError(f"--skip {skip} leaves no problem: {dataset.label}{f' ({split})' if split else ''} has "
+                            f"{len(problems)}; skip fewer")
+    problems = problems[skip:]
     return Dataset(dataset.label, problems[:limit] if limit else problems, dataset.grade)

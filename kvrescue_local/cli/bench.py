@@ -37,6 +37,8 @@ def bench() -> None:
 @click.option("--dataset", default="math500", show_default=True, help=f"one of {', '.join(DATASET_NAMES)}")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
 @click.option("--limit", type=POSITIVE, help="first LIMIT problems only")
+@click.option("--skip", type=click.IntRange(min=0), default=0,
+              help="start after the first SKIP problems (of the split): --skip 100 --limit 100 runs the next hundred")
 @click.option("--split", type=click.Choice(["train", "eval"]),
               help="only the problems of a fixed split (gsm8k: ids 0-899 train, 900-1318 eval; math500: positions "
                    "250-499 train, 0-99 eval, 100-249 in neither)")
@@ -67,13 +69,13 @@ def bench() -> None:
               help=f"problems solved at once on one engine [default: on a GPU (-ngl > 0) the most that fit --memory, "
                    f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured no faster (docs/throughput.md)]")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
-def run_command(dataset, data, limit, split, modes, budgets, ns, policies, choices, bases, weight_types,
+def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies, choices, bases, weight_types,
                 allow_requantize, cache_types, results, resume, shard, offline, concurrency, memory, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
     check_writable(results, "--results", special=False, reads=[("--data", data)])
     check_appendable(results, "--results")
-    data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None, split=split)
+    data_set = load_dataset(None if data else dataset, data, limit, offline=offline or None, split=split, skip=skip)
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
     needs_helper = any(m.uses_helper for m in modes)
