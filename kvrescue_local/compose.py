@@ -116,7 +116,9 @@ def check_calibration_head(selection: Selection, dataset: str | None, configs: l
         return
     calibrated = [config for config in configs
                   if config.needs_prm and config.mode.sides > 1 and config.rule == "calibrated"]
-    used = file_hash(head) if calibrated else fitted
+    if not calibrated:
+        return
+    used = file_hash(head)
     if used != fitted:
         raise KVRescueError(f"the {preset.name} preset's {dataset} calibration (its commit.json) was fitted on the "
                             f"rewards of head {fitted[:8]}, and --choice {calibrated[0].choice} at budget "
