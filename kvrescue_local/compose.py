@@ -210,9 +210,12 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
                             f"`kvrescue-local prm train --preset {name} --format helper-value` trains one, or pass "
                             "--prm helper:HEAD.npz")
     head = selection.head
-    if max_candidates > 1 and not in_helper and not Path(head).exists():
-        raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset {name}` "
-                            "trains one (or pass --prm with a converted PRM)")
+    if max_candidates > 1 and not in_helper:
+        if not Path(head).exists():
+            raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset {name}` "
+                                "trains one (or pass --prm with a converted PRM)")
+        check_head_backbone(RewardHead.load(Path(head)), Path(head), Path(paths["prm"]), "PRM",
+                            f"`kvrescue-local prm train --preset {name}`")
     base = open_model(selection, config, paths["base"]) if needs_base else None
     helper = open_model(selection, config, paths["helper"]) if needs_helper else None
     template = (base or helper).metadata(PROMPT_METADATA)
@@ -243,9 +246,19 @@ def helper_head(path: Path, helper: Model, preset: str) -> HelperHead:
         raise KVRescueError(f"the head {path} is of format {head.format}, which reads steps in a PRM context of its "
                             f"own: --prm helper needs one trained on the helper's context ({train}), or pass --prm "
                             "with the PRM model it belongs to")
-    if head.backbone != file_hash(helper.path):
-        raise KVRescueError(f"the head {path} was trained on the hidden states of "
-                            f"{'another model file' if head.backbone else 'an unrecorded model file'}, not on the "
-                            f"helper {helper.path.name}: train one on this helper ({train}), or use the helper it "
-                            "was trained on")
+    if head.backbone is None:
+        raise KVRescueError(f"the head {path} was trained on the hidden states of an unrecorded model file, not on "
+                            f"the helper {helper.path.name}: train one on this helper ({train}), or use the helper "
+                            "it was trained on")
+    check_head_backbone(head, path, helper.path, "helper", train)
     return HelperHead(head, path, helper)
+
+
+def check_head_backbone(head: RewardHead, path: Path, model: Path, role: str, train: str) -> None:
+    """A head that records the model file it was trained on (`prm train` writes it) reads that file's hidden states
+    alone: on another model's its rewards mean nothing, and a calibration fitted on them (commit.json) less. A head
+    with none recorded (a converted PRM's) is the checkpoint's own."""
+    if head.backbone is not None and head.backbone != file_hash(model):
+        raise KVRescueError(f"the head {path} was trained on the hidden states of another model file "
+                            f"({head.backbone[:8]}), not on the {role} {model.name} ({file_hash(model)[:8]}): train "
+                            f"one on this model ({train}), or use the model it was trained on")

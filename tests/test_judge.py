@@ -3,6 +3,8 @@ separate PRM on the same file does, reads a round where it was sampled as each c
 refuses a head of another file or format in one Error line, decodes no committed step twice, and no score read
 alone depends on the candidates beside it."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -12,7 +14,7 @@ from kvrescue_local.cli import main
 from kvrescue_local.compose import helper_head, open_models, select_models
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.gguf_export import TINY_HELPER
-from kvrescue_local.prm import PRM, PRMParams, RewardHead, prm_format
+from kvrescue_local.prm import PRM, PRMParams, RewardHead, head_path, prm_format
 from kvrescue_local.rescue import Generator, Rescue
 from kvrescue_local.rescue.generator import Draft, Request
 from kvrescue_local.rescue.config import cache_fields
@@ -262,6 +264,24 @@ def test_two_models_load_and_a_head_of_another_file_or_format_is_refused(base_pa
                                       "2", "--base", str(base_path), "--helper", str(helper_path), "--prm",
                                       f"helper:{head_file}", "--max-tokens", "40", "--results", str(results)])
     assert swept.exit_code == 0 and "2 new results" in swept.output, swept.output
+
+
+def test_a_separate_prm_refuses_a_head_trained_on_another_model_before_any_model_loads(base_path, helper_path,
+                                                                                       tiny_prm_path, tmp_path,
+                                                                                       monkeypatch):
+    own = RewardHead.load(head_path(tiny_prm_path))
+    foreign = dataclasses.replace(own, backbone=file_hash(base_path)).save(tmp_path / "foreign.head.npz")
+    recorded = dataclasses.replace(own, backbone=file_hash(tiny_prm_path)).save(tmp_path / "recorded.head.npz")
+    loaded = []
+    monkeypatch.setattr("kvrescue_local.compose.Model", lambda path, **kw: loaded.append(path) or Model(path, **kw))
+    common = ["solve", "--base", str(base_path), "--helper", str(helper_path), "-n", "2", "--max-tokens", "24", PROBLEM]
+    result = CliRunner().invoke(main, [*common, "--prm", f"{tiny_prm_path}:{foreign}"])
+    assert result.exit_code != 0 and "Traceback" not in result.output and not loaded
+    (line,) = [x for x in result.output.splitlines() if x.startswith("Error:")]
+    assert "trained on the hidden states of another model file" in line and tiny_prm_path.name in line, line
+    for head in (recorded, head_path(tiny_prm_path)):  # its own file recorded, or none recorded (a converted PRM's)
+        result = CliRunner().invoke(main, [*common, "--prm", f"{tiny_prm_path}:{head}"])
+        assert result.exit_code == 0, result.output
 
 
 def test_a_judge_needs_a_context_made_to_score_and_a_head_read_as_held(helper_model):

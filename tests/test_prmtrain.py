@@ -2,6 +2,7 @@
 hidden states read by the scorer's own code and cached, a numpy head that separates held-out steps and
 scores them in serving as it did in training; the split kept; KV-Rescue choosing at random."""
 
+import dataclasses
 import json
 import shutil
 
@@ -13,7 +14,7 @@ from kvrescue_local.bench.results_file import file_hash, read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.compose import Selection, open_models
 from kvrescue_local.errors import KVRescueError
-from kvrescue_local.prm import PRM, PRMParams, RewardHead
+from kvrescue_local.prm import PRM, PRMParams, RewardHead, head_path
 from kvrescue_local.prmtrain.evaluate import pair_scores
 from kvrescue_local.prmtrain.examples import LabelledStep, check_split, killed_texts, labelled_steps
 from kvrescue_local.presets import load_preset
@@ -321,3 +322,9 @@ def test_a_head_on_another_models_context_is_trained_and_evaluated_on_that_model
                                              "--rollouts", str(toy_rollouts), "--helper", str(base), "--out",
                                              str(tmp_path / "x.npz")])
     assert other_format.exit_code != 0 and "format helper-value" in other_format.output
+
+    # `prm eval` on the preset's own PRM with a head recorded on another model file
+    toy = load_preset("toy")
+    elsewhere = dataclasses.replace(RewardHead.load(toy.prm_head or head_path(toy.prm)), backbone=file_hash(base))
+    with pytest.raises(KVRescueError, match="trained on the hidden states of another model file"):
+        open_backbone("toy", threads=1, head=elsewhere.save(tmp_path / "elsewhere.head.npz"))

@@ -19,7 +19,7 @@ import numpy as np
 from ..bench.datasets import SPLITS, load_dataset
 from ..bench.results_file import read_rows, row_key
 from ..bench.run import run_sweep, sweep_axes
-from ..compose import PROMPT_METADATA, helper_head, open_models, select_models
+from ..compose import PROMPT_METADATA, check_head_backbone, helper_head, open_models, select_models
 from ..errors import KVRescueError
 from ..paths import CACHE
 from ..presets import HELPER
@@ -120,6 +120,9 @@ def open_backbone(preset: str, threads: int, head: Path | None = None, features_
     backbone = selection.paths["helper"] if selection.paths["prm"] == HELPER else selection.paths["prm"]
     if backbone is None:
         raise KVRescueError(f"the {preset} preset names no PRM backbone: a head is trained on the preset's PRM model")
+    if not features_only:
+        check_head_backbone(RewardHead.load(head), head, Path(backbone), "PRM",
+                            f"`kvrescue-local prm train --preset {preset}`")
     params = PRMParams(n_ctx=PRM_CTX, max_candidates=16, n_threads=threads)
     return PRM(backbone, params, head=head, features_only=features_only)
 
