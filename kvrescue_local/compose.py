@@ -25,6 +25,7 @@ from .rescue import RescueConfig
 from .rescue.judge import HelperHead
 from .rescue.limits import ModelFacts, RunModels
 from .runtime import Model
+from .runtime.model import check_gguf_file
 from .runtime.rpc import parse_endpoints
 
 PROMPT_METADATA = "kvrescue.prompt_template"
@@ -214,8 +215,9 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
         if not Path(head).exists():
             raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset {name}` "
                                 "trains one (or pass --prm with a converted PRM)")
+        own = selection.preset is not None and Path(paths["prm"]) == Path(selection.preset.prm)
         check_head_backbone(RewardHead.load(Path(head)), Path(head), Path(paths["prm"]), "PRM",
-                            f"`kvrescue-local prm train --preset {name}`")
+                            f"`kvrescue-local prm train --preset {name}`" if own else None)
     base = open_model(selection, config, paths["base"]) if needs_base else None
     helper = open_model(selection, config, paths["helper"]) if needs_helper else None
     template = (base or helper).metadata(PROMPT_METADATA)
@@ -246,19 +248,23 @@ def helper_head(path: Path, helper: Model, preset: str) -> HelperHead:
         raise KVRescueError(f"the head {path} is of format {head.format}, which reads steps in a PRM context of its "
                             f"own: --prm helper needs one trained on the helper's context ({train}), or pass --prm "
                             "with the PRM model it belongs to")
-    if head.backbone is None:
-        raise KVRescueError(f"the head {path} was trained on the hidden states of an unrecorded model file, not on "
-                            f"the helper {helper.path.name}: train one on this helper ({train}), or use the helper "
-                            "it was trained on")
-    check_head_backbone(head, path, helper.path, "helper", train)
+    check_head_backbone(head, path, helper.path, "helper", train, required=True)
     return HelperHead(head, path, helper)
 
 
-def check_head_backbone(head: RewardHead, path: Path, model: Path, role: str, train: str) -> None:
-    """A head that records the model file it was trained on (`prm train` writes it) reads that file's hidden states
-    alone: on another model's its rewards mean nothing, and a calibration fitted on them (commit.json) less. A head
-    with none recorded (a converted PRM's) is the checkpoint's own."""
-    if head.backbone is not None and head.backbone != file_hash(model):
-        raise KVRescueError(f"the head {path} was trained on the hidden states of another model file "
-                            f"({head.backbone[:8]}), not on the {role} {model.name} ({file_hash(model)[:8]}): train "
-                            f"one on this model ({train}), or use the model it was trained on")
+def check_head_backbone(head: RewardHead, path: Path, model: Path, role: str, train: str | None,
+                        required: bool = False) -> None:
+    """A head that records the model file it was trained on (`prm train` writes its fingerprint, of the GGUF's
+    header and tensor index: a copy keeps it, a requantized file does not) reads that file's hidden states alone:
+    on another model's its rewards mean nothing, and a calibration fitted on them (commit.json) less. A head with
+    none recorded (converted from a checkpoint, or trained before heads recorded theirs) is read on any model of its
+    hidden size, unless one is required (the helper's judge, which only `prm train` writes). train: the command that
+    trains one on `model`, where there is one."""
+    if head.backbone is None and not required:
+        return
+    used = file_hash(check_gguf_file(model))
+    if head.backbone != used:
+        trained = f"another model file ({head.backbone[:8]})" if head.backbone else "an unrecorded model file"
+        retrain = f"train one on it ({train}), or " if train else ""
+        raise KVRescueError(f"the head {path} was trained on the hidden states of {trained}, not on the {role} "
+                            f"{model.name} ({used[:8]}): {retrain}pass the model it was trained on")

@@ -279,7 +279,7 @@ def test_a_separate_prm_refuses_a_head_trained_on_another_model_before_any_model
     assert result.exit_code != 0 and "Traceback" not in result.output and not loaded
     (line,) = [x for x in result.output.splitlines() if x.startswith("Error:")]
     assert "trained on the hidden states of another model file" in line and tiny_prm_path.name in line, line
-    for head in (recorded, head_path(tiny_prm_path)):  # its own file recorded, or none recorded (a converted PRM's)
+    for head in (recorded, head_path(tiny_prm_path)):  # its own file recorded, or none (as a converted checkpoint has)
         result = CliRunner().invoke(main, [*common, "--prm", f"{tiny_prm_path}:{head}"])
         assert result.exit_code == 0, result.output
 

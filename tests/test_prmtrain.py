@@ -14,7 +14,7 @@ from kvrescue_local.bench.results_file import file_hash, read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.compose import Selection, open_models
 from kvrescue_local.errors import KVRescueError
-from kvrescue_local.prm import PRM, PRMParams, RewardHead, head_path
+from kvrescue_local.prm import PRM, PRMParams, RewardHead
 from kvrescue_local.prmtrain.evaluate import pair_scores
 from kvrescue_local.prmtrain.examples import LabelledStep, check_split, killed_texts, labelled_steps
 from kvrescue_local.presets import load_preset
@@ -245,7 +245,12 @@ def test_prm_train_command_end_to_end_on_the_toy_preset(toy_rollouts, tmp_path, 
     assert result.exit_code == 0, result.output
     assert "stage 1, rollouts: 0 new rows" in result.output and "stage 3, train" in result.output
     assert "cross-validated on the training problems" in result.output and "evicted base" in result.output
-    assert RewardHead.load(out).format == "toy-prm"
+    trained = RewardHead.load(out)
+    assert (trained.format, trained.backbone) == ("toy-prm", file_hash(load_preset("toy").prm))
+    assert open_backbone("toy", threads=1, head=out).head_file == out  # `prm eval` reads it on the model it records
+    elsewhere = dataclasses.replace(trained, backbone=file_hash(load_preset("toy").base))
+    with pytest.raises(KVRescueError, match="trained on the hidden states of another model file"):
+        open_backbone("toy", threads=1, head=elsewhere.save(tmp_path / "elsewhere.head.npz"))
     again = CliRunner().invoke(main, args + ["--no-rollouts"])
     assert "0 rows read, 120 cached" in again.output
     two = CliRunner().invoke(main, args + ["--rollouts", str(toy_rollouts)])
@@ -322,9 +327,3 @@ def test_a_head_on_another_models_context_is_trained_and_evaluated_on_that_model
                                              "--rollouts", str(toy_rollouts), "--helper", str(base), "--out",
                                              str(tmp_path / "x.npz")])
     assert other_format.exit_code != 0 and "format helper-value" in other_format.output
-
-    # `prm eval` on the preset's own PRM with a head recorded on another model file
-    toy = load_preset("toy")
-    elsewhere = dataclasses.replace(RewardHead.load(toy.prm_head or head_path(toy.prm)), backbone=file_hash(base))
-    with pytest.raises(KVRescueError, match="trained on the hidden states of another model file"):
-        open_backbone("toy", threads=1, head=elsewhere.save(tmp_path / "elsewhere.head.npz"))
