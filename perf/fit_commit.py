@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Fit the commit rules' parameters on rows of training problems, and store them with a preset:
 - from KV-Rescue rows with the PRM choosing (`bench run --split train --modes kvrescue --ns 1`): `--choice
-  calibrated`'s per-source calibration and `--choice base-first`'s helper margin, per dataset
+  calibrated`'s per-source calibration (the base's with its steps' entropy) and `--choice base-first`'s helper
+  margin, per dataset
   (kvrescue_local/prmtrain/commit.py);
 - from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
   --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
@@ -69,8 +70,9 @@ def main() -> None:
                       "training problems")
                 for source, (steps, right) in result.steps.items():
                     print(f"  committed {source} steps: {steps}, {right} in trajectories that ended right")
-                print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
-                      f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
+                print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r {result.base_entropy_weight:+.3f} H "
+                      f"{base_bias:+.3f}) for the base (H: its step's entropy), sigmoid({helper_slope:.3f} r "
+                      f"{helper_bias:+.3f}) for the helper")
                 print(f"  base-first helper margin: {result.helper_margin}")
                 (false_steps, false_right), (true_steps, true_right) = (result.arithmetic["false"],
                                                                         result.arithmetic["true"])

@@ -93,6 +93,12 @@ class Candidate:
     def killed(self) -> bool:
         return self.finished == "killed"
 
+    @property
+    def entropy(self) -> float:
+        """Its largest windowed mean entropy (nats), as the commit rule read it (loop.candidate_entropy); 0 where no
+        detector watched it."""
+        return float((self.detector or {}).get("max_mean_entropy") or 0.0)
+
     def to_json(self) -> dict:
         out = {"side": self.side, "index": self.index, "text": self.text, "tokens": self.tokens,
                "finished": self.finished, "score": self.score}
