@@ -73,6 +73,9 @@ def main() -> None:
                 print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r {result.base_entropy_weight:+.3f} H "
                       f"{base_bias:+.3f}) for the base (H: its step's entropy), sigmoid({helper_slope:.3f} r "
                       f"{helper_bias:+.3f}) for the helper")
+                print(f"  the base map's AUC on its committed steps, cross-validated by problem: "
+                      f"{result.base_auc['reward']:.3f} from the reward, {result.base_auc['reward and entropy']:.3f} "
+                      "with the entropy")
                 print(f"  base-first helper margin: {result.helper_margin}")
                 (false_steps, false_right), (true_steps, true_right) = (result.arithmetic["false"],
                                                                         result.arithmetic["true"])
@@ -83,7 +86,7 @@ def main() -> None:
                 fitted_on.setdefault("calibration", {})[dataset] = {
                     "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])],
                     "head_sha256": result.head, "problems": result.problems, "rounds": result.rounds,
-                    "steps": {k: list(v) for k, v in result.steps.items()},
+                    "steps": {k: list(v) for k, v in result.steps.items()}, "base_auc": result.base_auc,
                     "arithmetic": {k: list(v) for k, v in result.arithmetic.items()}}
         if "bon" in modes:
             judged = {str(r.get("dataset")) for path in args.judge_rows

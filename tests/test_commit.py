@@ -117,6 +117,7 @@ def test_the_fit_weighs_the_base_steps_entropy_where_unsure_steps_end_wrong():
     fitted = fit(rows, "rows")
     assert fitted.base_entropy_weight < -0.5, "the unsure base's trajectories ended wrong"
     assert fitted.rule()["base_entropy_weight"] == fitted.base_entropy_weight
+    assert fitted.base_auc["reward and entropy"] == 1.0 > fitted.base_auc["reward"], "held-out problems: the entropy tells"
     base_slope, base_bias, _, _ = fitted.calibration
     assert base_slope * 0.5 + fitted.base_entropy_weight * 1.5 + base_bias < base_slope * 0.5 + base_bias
 

@@ -24,6 +24,7 @@ from ..rescue import Trajectory
 from ..rescue.arithmetic import false_equalities
 from ..rescue.loop import calibrated
 from .examples import check_split, usable
+from .fit import auc, folds
 
 MARGINS = tuple(round(0.005 * i, 3) for i in range(201))  # the base-first margins tried: 0 to 1 by 0.005
 L2 = 1.0  # the logistic fit's penalty on the slope: few labelled steps, and rewards within a narrow range
@@ -48,6 +49,7 @@ class ScoredRound:
 class CommitFit:
     calibration: tuple[float, float, float, float]
     base_entropy_weight: float
+    base_auc: dict[str, float]  # the base map's by-problem cross-validated AUC on its committed steps, by its inputs
     helper_margin: float
     problems: int
     rounds: int  # scored rounds: a base and a helper survivor
@@ -98,6 +100,24 @@ def logistic(features: np.ndarray, labels: np.ndarray, l2: float = L2, iteration
     return tuple(float(v) for v in w)
 
 
+def base_features(rounds: list[ScoredRound], with_entropy: bool = True) -> np.ndarray:
+    """The base map's inputs for committed base steps: the reward, and the step's entropy (the evicted base's
+    entropy says where it lost what the step needed; the helper holds every token)."""
+    return np.array([[r.reward, r.entropy] if with_entropy else [r.reward] for r in rounds])
+
+
+def cross_validated_auc(rounds: list[ScoredRound], with_entropy: bool) -> float:
+    """How well the base map ranks its committed steps' outcomes on problems it was not fitted on: each fold's steps
+    (by a hash of the problem, prmtrain/fit.py) scored by the map fitted on the other folds."""
+    x, y = base_features(rounds, with_entropy), np.array([r.right for r in rounds], dtype=float)
+    fold = folds([r.problem for r in rounds])
+    scores = np.zeros(len(rounds))
+    for k in np.unique(fold):
+        *slopes, bias = logistic(x[fold != k], y[fold != k])
+        scores[fold == k] = x[fold == k] @ np.array(slopes) + bias
+    return round(auc(scores, y), 3)
+
+
 def fit(rows: list[dict], where: str) -> CommitFit:
     """Both parameters from KV-Rescue rows of training problems (any other row is refused)."""
     rows, _ = usable(rows)
@@ -125,10 +145,11 @@ def fit(rows: list[dict], where: str) -> CommitFit:
         if not mine:
             raise KVRescueError(f"{where}: no scored round committed a {source} step: fit on KV-Rescue rows with "
                                 "the PRM choosing (`bench run --modes kvrescue --choice prm --split train`)")
-        # the evicted base's entropy says where it lost what the step needed; the helper holds every token
-        features = [[r.reward, r.entropy] if source == "base" else [r.reward] for r in mine]
-        fitted[source] = logistic(np.array(features), np.array([r.right for r in mine], dtype=float))
+        features = base_features(mine) if source == "base" else np.array([[r.reward] for r in mine])
+        fitted[source] = logistic(features, np.array([r.right for r in mine], dtype=float))
     (base_slope, weight, base_bias), (helper_slope, helper_bias) = fitted["base"], fitted["helper"]
+    base_steps = [r for r in rounds if r.committed == "base"]
+    base_auc = {"reward": cross_validated_auc(base_steps, False), "reward and entropy": cross_validated_auc(base_steps, True)}
     calibration = (base_slope, base_bias, helper_slope, helper_bias)
 
     def expected(margin: float) -> float:
@@ -144,5 +165,5 @@ def fit(rows: list[dict], where: str) -> CommitFit:
     # right less often: sum(false) / len(false) < sum(true) / len(true), without dividing by an empty count
     check = (len(false_steps) >= MIN_FALSE_STEPS
              and sum(false_steps) * len(true_steps) < sum(true_steps) * len(false_steps))
-    return CommitFit(tuple(round(x, 6) for x in calibration), round(weight, 6), margin, len({r.problem for r in rounds}),
-                     len(rounds), steps, arithmetic, check, next(iter(heads), None))
+    return CommitFit(tuple(round(x, 6) for x in calibration), round(weight, 6), base_auc, margin,
+                     len({r.problem for r in rounds}), len(rounds), steps, arithmetic, check, next(iter(heads), None))
