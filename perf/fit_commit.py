@@ -73,9 +73,10 @@ def main() -> None:
                 print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r {result.base_entropy_weight:+.3f} H "
                       f"{base_bias:+.3f}) for the base (H: its step's entropy), sigmoid({helper_slope:.3f} r "
                       f"{helper_bias:+.3f}) for the helper")
-                print(f"  the base map's AUC on its committed steps, cross-validated by problem: "
-                      f"{result.base_auc['reward']:.3f} from the reward, {result.base_auc['reward and entropy']:.3f} "
-                      "with the entropy")
+                shown = {k: "n/a (its steps all of one label)" if v is None else f"{v:.3f}"
+                         for k, v in result.base_auc.items()}
+                print(f"  the base map's AUC on its committed steps, cross-validated by problem: {shown['reward']} "
+                      f"from the reward, {shown['reward and entropy']} with the entropy")
                 print(f"  base-first helper margin: {result.helper_margin}")
                 (false_steps, false_right), (true_steps, true_right) = (result.arithmetic["false"],
                                                                         result.arithmetic["true"])

@@ -12,7 +12,7 @@ from kvrescue_local.cli import main
 from kvrescue_local.detect import DetectorParams, Monitor
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.presets import preset_spec
-from kvrescue_local.prmtrain.commit import fit
+from kvrescue_local.prmtrain.commit import fit, scored_rounds
 from kvrescue_local.rescue import RescueConfig
 from kvrescue_local.rescue.generator import Draft
 from kvrescue_local.rescue.loop import choose
@@ -117,7 +117,16 @@ def test_the_fit_weighs_the_base_steps_entropy_where_unsure_steps_end_wrong():
     fitted = fit(rows, "rows")
     assert fitted.base_entropy_weight < -0.5, "the unsure base's trajectories ended wrong"
     assert fitted.rule()["base_entropy_weight"] == fitted.base_entropy_weight
-    assert fitted.base_auc["reward and entropy"] == 1.0 > fitted.base_auc["reward"], "held-out problems: the entropy tells"
+    assert fitted.base_auc["reward and entropy"] == 1.0 > fitted.base_auc["reward"], "on held-out problems"
+    # two base survivors: the margin reads the best-rewarded one's entropy, the map the committed one's
+    two = row(ids[0], True, [("base", 0.6, 0.5)], base_entropy=0.2)
+    two["trajectory"]["steps"][0]["candidates"].insert(0, {"side": "base", "text": "z", "score": 0.7, "finished": "step",
+                                                           "detector": {"max_mean_entropy": 1.0, "killed": None}})
+    (scored,) = scored_rounds([two])
+    assert (scored.base, scored.base_entropy, scored.reward, scored.entropy) == (0.7, 1.0, 0.6, 0.2)
+    two["trajectory"]["steps"][0]["text"] = "w"
+    with pytest.raises(KVRescueError, match="none of its round's survivors"):
+        scored_rounds([two])
     base_slope, base_bias, _, _ = fitted.calibration
     assert base_slope * 0.5 + fitted.base_entropy_weight * 1.5 + base_bias < base_slope * 0.5 + base_bias
 
@@ -253,7 +262,8 @@ def test_a_presets_entropy_weight_commits_what_the_recorded_rewards_and_entropie
                 odds = {c["side"]: calibrated(calibration, c["side"], c["score"],
                                               c["detector"]["max_mean_entropy"] if c["side"] == "base" else 0.0,
                                               weight) for c in survivors}
-                if abs(odds["base"] - odds["helper"]) > 1e-6:  # a tie goes by the round's order
+                # a tie goes by the round's order, and the entropies are recorded to 4 decimals
+                if abs(odds["base"] - odds["helper"]) > 1e-3:
                     assert step["source"] == max(odds, key=odds.get), (r["id"], step["round"], odds)
                 picks[weight].append(step["source"])
     assert picks[0.0] != picks[-8.0] and picks[-8.0].count("helper") > picks[0.0].count("helper")
@@ -433,6 +443,7 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
 
 
 def test_calibrated_rows_from_before_the_entropy_weight_was_recorded_match_only_a_weight_of_0():
+    from kvrescue_local.bench.metrics import setup_label
     from kvrescue_local.bench.results_file import differences, setup
 
     def recorded(weight):
@@ -443,6 +454,9 @@ def test_calibrated_rows_from_before_the_entropy_weight_was_recorded_match_only_
     assert differences(before, recorded(0.0), same_configuration=True) == []
     assert differences(before, recorded(-1.3), same_configuration=True) == ["base_entropy_weight 0.0 vs -1.3"]
     assert "base_entropy_weight" not in setup(RescueConfig(n=1, choice="prm"), {})["settings"], "read by no other rule"
+    rows = [{"config": {"choice": "calibrated"}, "setup": s} for s in (before, recorded(0.0), recorded(-1.3))]
+    labels = [setup_label(r) for r in rows]
+    assert labels[0] == labels[1] != labels[2], "report counts a weight of 0 as the rows from before it"
 
 
 def test_rows_from_before_the_weak_base_rule_was_recorded_resume_and_merge_only_with_the_judges_pick(tmp_path):

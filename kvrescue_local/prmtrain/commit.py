@@ -15,6 +15,7 @@ arithmetic (rescue/arithmetic.py) ended right less often than the others, over a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +50,8 @@ class ScoredRound:
 class CommitFit:
     calibration: tuple[float, float, float, float]
     base_entropy_weight: float
-    base_auc: dict[str, float]  # the base map's by-problem cross-validated AUC on its committed steps, by its inputs
+    base_auc: dict[str, float | None]  # the base map's by-problem cross-validated AUC on its committed steps, by its
+    # inputs (None: its steps all of one label)
     helper_margin: float
     problems: int
     rounds: int  # scored rounds: a base and a helper survivor
@@ -75,11 +77,16 @@ def scored_rounds(rows: list[dict]) -> list[ScoredRound]:
                 if not c.killed and c.score is not None and (c.side not in best or c.score > best[c.side].score):
                     best[c.side] = c
             if {"base", "helper"} <= set(best) and step.score is not None:
-                committed = next((c.entropy for c in step.candidates
-                                  if not c.killed and c.side == step.source and c.text == step.text), 0.0)
+                committed = [c for c in step.candidates
+                             if not c.killed and c.side == step.source and c.text == step.text]
+                if not committed:
+                    raise KVRescueError(f"row {row.get('dataset')}:{row.get('id')}, round {step.round}: the committed "
+                                        "step is none of its round's survivors, so the row is not a loop's: remove "
+                                        "it from the rows fitted on")
                 out.append(ScoredRound(f"{row.get('dataset')}:{row.get('id')}", best["base"].score,
-                                       best["helper"].score, best["base"].entropy, step.source, step.score, committed,
-                                       int(bool(row["correct"])), bool(false_equalities(step.text))))
+                                       best["helper"].score, best["base"].entropy, step.source, step.score,
+                                       committed[0].entropy, int(bool(row["correct"])),
+                                       bool(false_equalities(step.text))))
     return out
 
 
@@ -106,16 +113,18 @@ def base_features(rounds: list[ScoredRound], with_entropy: bool = True) -> np.nd
     return np.array([[r.reward, r.entropy] if with_entropy else [r.reward] for r in rounds])
 
 
-def cross_validated_auc(rounds: list[ScoredRound], with_entropy: bool) -> float:
+def cross_validated_auc(rounds: list[ScoredRound], with_entropy: bool) -> float | None:
     """How well the base map ranks its committed steps' outcomes on problems it was not fitted on: each fold's steps
-    (by a hash of the problem, prmtrain/fit.py) scored by the map fitted on the other folds."""
+    (by a hash of the problem, prmtrain/fit.py) scored by the map fitted on the other folds; None where the steps
+    are all of one label."""
     x, y = base_features(rounds, with_entropy), np.array([r.right for r in rounds], dtype=float)
     fold = folds([r.problem for r in rounds])
     scores = np.zeros(len(rounds))
     for k in np.unique(fold):
         *slopes, bias = logistic(x[fold != k], y[fold != k])
         scores[fold == k] = x[fold == k] @ np.array(slopes) + bias
-    return round(auc(scores, y), 3)
+    value = auc(scores, y)
+    return None if math.isnan(value) else round(value, 3)
 
 
 def fit(rows: list[dict], where: str) -> CommitFit:
@@ -149,7 +158,8 @@ def fit(rows: list[dict], where: str) -> CommitFit:
         fitted[source] = logistic(features, np.array([r.right for r in mine], dtype=float))
     (base_slope, weight, base_bias), (helper_slope, helper_bias) = fitted["base"], fitted["helper"]
     base_steps = [r for r in rounds if r.committed == "base"]
-    base_auc = {"reward": cross_validated_auc(base_steps, False), "reward and entropy": cross_validated_auc(base_steps, True)}
+    base_auc = {"reward": cross_validated_auc(base_steps, False),
+                "reward and entropy": cross_validated_auc(base_steps, True)}
     calibration = (base_slope, base_bias, helper_slope, helper_bias)
 
     def expected(margin: float) -> float:

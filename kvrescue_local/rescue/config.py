@@ -79,7 +79,7 @@ class RescueConfig:
     # reward is higher by more than this (or no helper candidate survives); 1: only then
     base_margin: float = 1.0
     # with choice "calibrated": each source's reward r mapped to P(step right) = sigmoid(slope·r + bias), fitted on
-    # the labelled steps of training problems (rescue/calibration.py), as IDENTITY_CALIBRATION's four numbers
+    # the labelled steps of training problems (prmtrain/commit.py), as IDENTITY_CALIBRATION's four numbers
     calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
     # with choice "calibrated": the base candidate's entropy (the detector's largest windowed mean, in nats; 0 where
     # no detector watches it) weighed into its map: P = sigmoid(slope·r + base_entropy_weight·entropy + bias). An
@@ -110,8 +110,8 @@ class RescueConfig:
             raise KVRescueError(f"calibration takes four finite numbers (base slope, base bias, helper slope, helper "
                                 f"bias), not {self.calibration}: refit it with perf/fit_commit.py")
         if not math.isfinite(self.base_entropy_weight):
-            raise KVRescueError(f"base_entropy_weight must be a finite number, not {self.base_entropy_weight}: refit it "
-                                "with perf/fit_commit.py")
+            raise KVRescueError(f"base_entropy_weight must be a finite number, not {self.base_entropy_weight}: "
+                                "refit it with perf/fit_commit.py")
         if self.n < 1:
             raise KVRescueError(f"N must be at least 1 (got {self.n}): it is the number of candidates per model per round")
         if self.candidates_per_round >= LLAMA_MAX_SEQ:

@@ -131,7 +131,8 @@ def calibrated(calibration: tuple[float, ...], side: str, value: float, entropy:
 
 
 def candidate_entropy(draft: Draft) -> float:
-    """A candidate's largest windowed mean entropy (nats) so far; 0 where no detector watches it."""
+    """A candidate's largest windowed mean entropy (nats) so far; 0 where no detector watches it, or before its first
+    full window (a step shorter than the window reads as sure, in the rows the weight was fitted on too)."""
     return draft.monitor.max_mean_entropy if draft.monitor is not None else 0.0
 
 

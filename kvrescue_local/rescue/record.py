@@ -95,8 +95,8 @@ class Candidate:
 
     @property
     def entropy(self) -> float:
-        """Its largest windowed mean entropy (nats), as the commit rule read it (loop.candidate_entropy); 0 where no
-        detector watched it."""
+        """Its largest windowed mean entropy (nats) as the commit rule read it (loop.candidate_entropy), to the 4
+        decimals recorded; 0 where no detector watched it, or its step was shorter than the entropy window."""
         return float((self.detector or {}).get("max_mean_entropy") or 0.0)
 
     def to_json(self) -> dict:
