@@ -109,8 +109,7 @@ def check_calibration_head(selection: Selection, dataset: str | None, configs: l
     """A preset's calibration for `dataset` maps the rewards of the head it was fitted on (Preset.calibration_heads):
     a configuration that commits by it between the base's and the helper's steps with another head would read that
     head's rewards as probabilities they are not, so it is refused before any model loads. (Among one side's
-    candidates the map, rising in the reward, picks the best-rewarded whatever its fit: no detector watches a mode of
-    one side, so no entropy is weighed there.)"""
+    candidates the map, rising in the reward, picks the best-rewarded whatever its fit.)"""
     preset = selection.preset
     fitted = preset.calibration_heads.get(dataset) if preset and dataset else None
     head = selection.head

@@ -103,8 +103,8 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
 
 
 # a commit.json's fitted rule settings
-COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "base_entropy_weight", "judge_max_budget",
-                "weak_base_choice", "check_arithmetic")
+COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "judge_max_budget", "weak_base_choice",
+                "check_arithmetic")
 
 
 def preset_spec(directory: Path) -> dict:

@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Fit the commit rules' parameters on rows of training problems, and store them with a preset:
 - from KV-Rescue rows with the PRM choosing (`bench run --split train --modes kvrescue --ns 1`): `--choice
-  calibrated`'s per-source calibration (the base's with its steps' entropy) and `--choice base-first`'s helper
-  margin, per dataset
+  calibrated`'s per-source calibration and `--choice base-first`'s helper margin, per dataset
   (kvrescue_local/prmtrain/commit.py);
 - from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
   --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
@@ -70,13 +69,8 @@ def main() -> None:
                       "training problems")
                 for source, (steps, right) in result.steps.items():
                     print(f"  committed {source} steps: {steps}, {right} in trajectories that ended right")
-                print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r {result.base_entropy_weight:+.3f} H "
-                      f"{base_bias:+.3f}) for the base (H: its step's entropy), sigmoid({helper_slope:.3f} r "
-                      f"{helper_bias:+.3f}) for the helper")
-                shown = {k: "n/a (its steps all of one label)" if v is None else f"{v:.3f}"
-                         for k, v in result.base_auc.items()}
-                print(f"  the base map's AUC on its committed steps, cross-validated by problem: {shown['reward']} "
-                      f"from the reward, {shown['reward and entropy']} with the entropy")
+                print(f"  calibration: P(right) = sigmoid({base_slope:.3f} r + {base_bias:.3f}) for the base, "
+                      f"sigmoid({helper_slope:.3f} r + {helper_bias:.3f}) for the helper")
                 print(f"  base-first helper margin: {result.helper_margin}")
                 (false_steps, false_right), (true_steps, true_right) = (result.arithmetic["false"],
                                                                         result.arithmetic["true"])
@@ -87,7 +81,7 @@ def main() -> None:
                 fitted_on.setdefault("calibration", {})[dataset] = {
                     "rows": [p.name for p in args.rows if kvrescue_of(dataset, rows_of[p])],
                     "head_sha256": result.head, "problems": result.problems, "rounds": result.rounds,
-                    "steps": {k: list(v) for k, v in result.steps.items()}, "base_auc": result.base_auc,
+                    "steps": {k: list(v) for k, v in result.steps.items()},
                     "arithmetic": {k: list(v) for k, v in result.arithmetic.items()}}
         if "bon" in modes:
             judged = {str(r.get("dataset")) for path in args.judge_rows

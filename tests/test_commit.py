@@ -9,10 +9,9 @@ from click.testing import CliRunner
 from kvrescue_local.bench.datasets import load_dataset, split_of
 from kvrescue_local.bench.results_file import file_hash, read_rows
 from kvrescue_local.cli import main
-from kvrescue_local.detect import DetectorParams, Monitor
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.presets import preset_spec
-from kvrescue_local.prmtrain.commit import fit, scored_rounds
+from kvrescue_local.prmtrain.commit import fit
 from kvrescue_local.rescue import RescueConfig
 from kvrescue_local.rescue.generator import Draft
 from kvrescue_local.rescue.loop import choose
@@ -48,20 +47,6 @@ def test_the_calibrated_rule_picks_the_survivor_most_probably_right():
         RescueConfig(calibration=(1.0, 0.0))
 
 
-def test_an_unsure_base_step_is_less_probably_right_by_its_fitted_entropy_weight():
-    round_ = drafts(("base", 0.60), ("helper", 0.50))
-    round_[0].monitor = Monitor(DetectorParams())
-    round_[0].monitor.max_mean_entropy = 0.8  # nats, the base's largest windowed mean
-    calibration = (4.0, 0.0, 4.0, 0.0)
-    assert choose(round_, RescueConfig(n=1, choice="calibrated", calibration=calibration), 0, 0) is round_[0]
-    weighed = RescueConfig(n=1, choice="calibrated", calibration=calibration, base_entropy_weight=-1.0)
-    assert choose(round_, weighed, 0, 0) is round_[1], "4·0.6 − 0.8 < 4·0.5: the helper's step"
-    round_[0].monitor = None  # a base no detector watches reads as sure
-    assert choose(round_, weighed, 0, 0) is round_[0]
-    with pytest.raises(KVRescueError, match="base_entropy_weight must be a finite number"):
-        RescueConfig(base_entropy_weight=float("nan"))
-
-
 def test_math500_train_and_eval_positions_are_disjoint_and_100_to_249_in_neither():
     train, evaluation = load_dataset("math500", split="train"), load_dataset("math500", split="eval")
     everything = load_dataset("math500").problems
@@ -71,14 +56,11 @@ def test_math500_train_and_eval_positions_are_disjoint_and_100_to_249_in_neither
     assert {split_of("math500", p.id) for p in everything[100:250]} == {None}
 
 
-def row(problem_id, correct, rounds, mode="kvrescue", base_entropy=None):
-    """A results row whose rounds are (committed source, base reward, helper reward); the base's candidates with the
-    detector's statistics where base_entropy is given."""
-    watched = {} if base_entropy is None else {"detector": {"max_mean_entropy": base_entropy, "killed": None}}
-    steps = [{"round": i, "text": "x" if source == "base" else "y", "source": source,
-              "score": base if source == "base" else helper, "finished": "step",
-              "candidates": [{"side": "base", "text": "x", "score": base, "finished": "step", **watched},
-                             {"side": "helper", "text": "y", "score": helper, "finished": "step"}]}
+def row(problem_id, correct, rounds, mode="kvrescue"):
+    """A results row whose rounds are (committed source, base reward, helper reward)."""
+    steps = [{"round": i, "text": "x", "source": source, "score": base if source == "base" else helper,
+              "finished": "step", "candidates": [{"side": "base", "text": "x", "score": base, "finished": "step"},
+                                                 {"side": "helper", "text": "y", "score": helper, "finished": "step"}]}
              for i, (source, base, helper) in enumerate(rounds)]
     return {"dataset": "math500", "id": problem_id, "config_key": f"{mode}-b32-n1-rkv", "config": {"mode": mode},
             "correct": correct, "trajectory": {"steps": steps, "config": {"mode": mode}}}
@@ -107,28 +89,6 @@ def test_the_fit_reads_training_rows_only_and_learns_that_the_helper_misleads():
     assert fit(scored_by[1:], "rows").head == "head-a" and fitted.head is None
     unscored = row(ids[40], True, [("base", None, None)])  # a random choice's row: nothing scored, no PRM recorded
     assert fit([*scored_by[1:], unscored], "rows").head == "head-a", "a row the fit does not read names no head"
-    assert fitted.base_entropy_weight == 0.0, "no detector statistics: nothing to weigh"
-
-
-def test_the_fit_weighs_the_base_steps_entropy_where_unsure_steps_end_wrong():
-    ids = [p.id for p in load_dataset("gsm8k", split="train").problems[:60]]
-    rows = [row(problem_id, i % 3 != 0, [("base", 0.5, 0.5), ("helper", 0.5, 0.55)], base_entropy=1.5 if i % 3 == 0
-                else 0.2) for i, problem_id in enumerate(ids)]
-    fitted = fit(rows, "rows")
-    assert fitted.base_entropy_weight < -0.5, "the unsure base's trajectories ended wrong"
-    assert fitted.rule()["base_entropy_weight"] == fitted.base_entropy_weight
-    assert fitted.base_auc["reward and entropy"] == 1.0 > fitted.base_auc["reward"], "on held-out problems"
-    # two base survivors: the margin reads the best-rewarded one's entropy, the map the committed one's
-    two = row(ids[0], True, [("base", 0.6, 0.5)], base_entropy=0.2)
-    two["trajectory"]["steps"][0]["candidates"].insert(0, {"side": "base", "text": "z", "score": 0.7, "finished": "step",
-                                                           "detector": {"max_mean_entropy": 1.0, "killed": None}})
-    (scored,) = scored_rounds([two])
-    assert (scored.base, scored.base_entropy, scored.reward, scored.entropy) == (0.7, 1.0, 0.6, 0.2)
-    two["trajectory"]["steps"][0]["text"] = "w"
-    with pytest.raises(KVRescueError, match="none of its round's survivors"):
-        scored_rounds([two])
-    base_slope, base_bias, _, _ = fitted.calibration
-    assert base_slope * 0.5 + fitted.base_entropy_weight * 1.5 + base_bias < base_slope * 0.5 + base_bias
 
 
 def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(base_path, helper_path, tiny_prm_path,
@@ -226,47 +186,6 @@ def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, mon
     assert row["config"]["choice"] == "regime" and row["setup"]["settings"]["calibration"] == calibration
     assert row["setup"]["models"]["prm"]["head_sha256"] == file_hash(fitted)
     assert read_rows(tmp_path / "bon.jsonl")[0]["setup"]["models"]["prm"]["head_sha256"] == file_hash(other)
-
-
-def test_a_presets_entropy_weight_commits_what_the_recorded_rewards_and_entropies_say(tmp_path, monkeypatch):
-    """The toy preset with a calibration that weighs the base's entropy, through llama.cpp: every round with a base
-    and a helper survivor commits the one the calibration ranks first by the rewards and entropies its row records,
-    the rows record the weight, and weighing the entropy changes picks."""
-    import dataclasses
-
-    from kvrescue_local import presets
-    from kvrescue_local.rescue.loop import calibrated
-
-    toy = presets.load_preset("toy")
-    calibration = [4.0, 0.0, 4.0, 0.0]
-
-    def with_weight(weight):
-        rule = {"choice": "calibrated", "calibration": calibration, "base_entropy_weight": weight}
-        return lambda: dataclasses.replace(toy, dataset_recipes={"toy": rule})
-
-    picks = {}
-    for weight in (0.0, -8.0):
-        monkeypatch.setitem(presets.PRESETS, "toy", with_weight(weight))
-        results = tmp_path / f"w{weight}.jsonl"
-        ran = CliRunner().invoke(main, ["bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "4", "--ns",
-                                        "1", "--modes", "kvrescue", "--budgets", "32", "--results", str(results)])
-        assert ran.exit_code == 0, ran.output
-        rows = read_rows(results)
-        assert {r["setup"]["settings"]["base_entropy_weight"] for r in rows} == {weight}
-        picks[weight] = []
-        for r in rows:
-            for step in r["trajectory"]["steps"]:
-                survivors = [c for c in step["candidates"] if c["finished"] != "killed"]
-                if len(survivors) < 2:
-                    continue
-                odds = {c["side"]: calibrated(calibration, c["side"], c["score"],
-                                              c["detector"]["max_mean_entropy"] if c["side"] == "base" else 0.0,
-                                              weight) for c in survivors}
-                # a tie goes by the round's order, and the entropies are recorded to 4 decimals
-                if abs(odds["base"] - odds["helper"]) > 1e-3:
-                    assert step["source"] == max(odds, key=odds.get), (r["id"], step["round"], odds)
-                picks[weight].append(step["source"])
-    assert picks[0.0] != picks[-8.0] and picks[-8.0].count("helper") > picks[0.0].count("helper")
 
 
 @pytest.mark.parametrize("choice", ["base-first", "calibrated"])
@@ -440,23 +359,6 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
                                    if r["config"]["mode"] == "helper"))
     failed = subprocess.run([*script, str(helper_only)], capture_output=True, text=True)
     assert failed.returncode == 1 and "no KV-Rescue or evicted best-of-N rows" in failed.stderr, failed.stderr
-
-
-def test_calibrated_rows_from_before_the_entropy_weight_was_recorded_match_only_a_weight_of_0():
-    from kvrescue_local.bench.metrics import setup_label
-    from kvrescue_local.bench.results_file import differences, setup
-
-    def recorded(weight):
-        return setup(RescueConfig(n=1, choice="calibrated", base_entropy_weight=weight), {})
-
-    before = recorded(0.0)
-    del before["settings"]["base_entropy_weight"]
-    assert differences(before, recorded(0.0), same_configuration=True) == []
-    assert differences(before, recorded(-1.3), same_configuration=True) == ["base_entropy_weight 0.0 vs -1.3"]
-    assert "base_entropy_weight" not in setup(RescueConfig(n=1, choice="prm"), {})["settings"], "read by no other rule"
-    rows = [{"config": {"choice": "calibrated"}, "setup": s} for s in (before, recorded(0.0), recorded(-1.3))]
-    labels = [setup_label(r) for r in rows]
-    assert labels[0] == labels[1] != labels[2], "report counts a weight of 0 as the rows from before it"
 
 
 def test_rows_from_before_the_weak_base_rule_was_recorded_resume_and_merge_only_with_the_judges_pick(tmp_path):

@@ -123,8 +123,7 @@ class ConfigKey:
 
 
 UNRECORDED = "unrecorded"  # rows written before setups were recorded
-# settings whose 0 is what rows from before they were recorded ran with: the helper unwatched, no entropy weighed
-ZERO_AS_UNRECORDED = ("helper_tau_entropy", "helper_tau_compression", "base_entropy_weight")
+UNWATCHED_HELPER = ("helper_tau_entropy", "helper_tau_compression")
 
 
 def setup_label(row: dict) -> str:
@@ -132,13 +131,13 @@ def setup_label(row: dict) -> str:
     setup = row.get("setup")
     if setup is None:
         return UNRECORDED
-    # a helper left unwatched (0 and 0) hashes as the rows from before its thresholds were settings, a base entropy
-    # weighed by 0 as the rows from before the weight was, and a rule's parameter recorded for another rule
-    # (judge_max_budget, recorded for every scored rule until 2026-12-04) as the rows that do not record it
+    # a helper left unwatched (0 and 0) hashes as the rows from before its thresholds were settings, and a rule's
+    # parameter recorded for another rule (judge_max_budget, recorded for every scored rule until 2026-12-04) as
+    # the rows that do not record it
     choice = str(row.get("config", {}).get("choice", "prm"))
     without_seed = {**{k: v for k, v in setup.items() if k not in AXIS_RECORDS},
                     "settings": {k: v for k, v in setup["settings"].items()
-                                 if k != "seed" and not (k in ZERO_AS_UNRECORDED and v == 0.0)
+                                 if k != "seed" and not (k in UNWATCHED_HELPER and v == 0.0)
                                  and not (k in RULE_SETTINGS and choice not in RULE_SETTINGS[k])}}
     return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
 

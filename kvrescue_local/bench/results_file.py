@@ -41,9 +41,8 @@ ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
 SOME_CONFIGURATIONS = SOME_SETTINGS  # settings only configurations they matter to record: compared where both do
 # settings recorded since some date, and what the rows of a configuration that records them ran with before: the judge's
-# pick where the base is the weaker writer, the helper unwatched, the base's entropy not weighed
-SETTINGS_BEFORE = {"weak_base_choice": "prm", "helper_tau_entropy": 0.0, "helper_tau_compression": 0.0,
-                   "base_entropy_weight": 0.0}
+# pick where the base is the weaker writer, the helper unwatched
+SETTINGS_BEFORE = {"weak_base_choice": "prm", "helper_tau_entropy": 0.0, "helper_tau_compression": 0.0}
 NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "check_arithmetic", "prompt", "n_gpu_layers", "n_threads",
                 "flash_attn", "n_batch", "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v",
                 "helper_cache_type_k", "helper_cache_type_v")

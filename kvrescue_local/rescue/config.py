@@ -28,7 +28,6 @@ SCORED_CHOICES = ("prm", "base-first", "helper-first", "calibrated", "regime")  
 WEAK_BASE_CHOICES = ("prm", "calibrated", "helper-first")  # the regime's rule where the base is the weaker writer
 RULE_SETTINGS = {"pick_margin": ("prm", "base-first", "helper-first", "regime"), "helper_margin": ("base-first", "regime"),
                  "base_margin": ("helper-first", "regime"), "calibration": ("calibrated", "regime"),
-                 "base_entropy_weight": ("calibrated", "regime"),
                  "judge_max_budget": ("regime",), "weak_base_choice": ("regime",)}
 SOME_SETTINGS = (*RULE_SETTINGS, "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
 IDENTITY_CALIBRATION = (1.0, 0.0, 1.0, 0.0)  # base slope, base bias, helper slope, helper bias: P = sigmoid(slope·r + bias)
@@ -81,10 +80,6 @@ class RescueConfig:
     # with choice "calibrated": each source's reward r mapped to P(step right) = sigmoid(slope·r + bias), fitted on
     # the labelled steps of training problems (prmtrain/commit.py), as IDENTITY_CALIBRATION's four numbers
     calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
-    # with choice "calibrated": the base candidate's entropy (the detector's largest windowed mean, in nats; 0 where
-    # no detector watches it) weighed into its map: P = sigmoid(slope·r + base_entropy_weight·entropy + bias). An
-    # evicted base unsure of its step has often lost what the step needed; fitted with the calibration
-    base_entropy_weight: float = 0.0
     # with choice "regime": the largest base budget at which weak_base_choice commits; above it the rule is
     # base-first. Fitted on training problems (prmtrain/regime.py): the budgets where evicted best-of-N solved fewer of
     # them than the helper alone. 0: base-first at every budget, the base's own trajectory until a kill
@@ -109,9 +104,6 @@ class RescueConfig:
         if len(self.calibration) != 4 or not all(math.isfinite(x) for x in self.calibration):
             raise KVRescueError(f"calibration takes four finite numbers (base slope, base bias, helper slope, helper "
                                 f"bias), not {self.calibration}: refit it with perf/fit_commit.py")
-        if not math.isfinite(self.base_entropy_weight):
-            raise KVRescueError(f"base_entropy_weight must be a finite number, not {self.base_entropy_weight}: "
-                                "refit it with perf/fit_commit.py")
         if self.n < 1:
             raise KVRescueError(f"N must be at least 1 (got {self.n}): it is the number of candidates per model per round")
         if self.candidates_per_round >= LLAMA_MAX_SEQ:

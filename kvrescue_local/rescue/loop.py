@@ -95,7 +95,7 @@ def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: 
     if rule == "helper-first":
         return lead(survivors, "helper", config.base_margin, config.pick_margin)
     if rule == "calibrated":
-        return most_probable(survivors, config.calibration, config.base_entropy_weight)
+        return most_probable(survivors, config.calibration)
     return favourite(survivors, config.pick_margin)
 
 
@@ -121,27 +121,15 @@ def lead(survivors: list[Draft], side: str, margin: float, pick_margin: float) -
     return other if reward(other) - reward(leader) > margin else leader
 
 
-def calibrated(calibration: tuple[float, ...], side: str, value: float, entropy: float = 0.0,
-               base_entropy_weight: float = 0.0) -> float:
-    """P(step right) of a reward of `side`'s step under a calibration (RescueConfig.calibration), a base step's
-    entropy weighed in (RescueConfig.base_entropy_weight)."""
+def calibrated(calibration: tuple[float, ...], side: str, value: float) -> float:
+    """P(step right) of a reward of `side`'s step under a calibration (RescueConfig.calibration)."""
     slope, bias = calibration[:2] if side == "base" else calibration[2:]
-    weighed = base_entropy_weight * entropy if side == "base" else 0.0
-    return 1 / (1 + math.exp(-(slope * value + weighed + bias)))
+    return 1 / (1 + math.exp(-(slope * value + bias)))
 
 
-def candidate_entropy(draft: Draft) -> float:
-    """A candidate's largest windowed mean entropy (nats) so far; 0 where no detector watches it, or before its first
-    full window (a step shorter than the window reads as sure, in the rows the weight was fitted on too)."""
-    return draft.monitor.max_mean_entropy if draft.monitor is not None else 0.0
-
-
-def most_probable(survivors: list[Draft], calibration: tuple[float, float, float, float],
-                  base_entropy_weight: float = 0.0) -> Draft:
-    """The survivor most probably right: its reward (and a base step's entropy) mapped through its source's
-    calibration (the first on a tie)."""
-    return max(survivors, key=lambda c: calibrated(calibration, c.side, reward(c), candidate_entropy(c),
-                                                   base_entropy_weight))
+def most_probable(survivors: list[Draft], calibration: tuple[float, float, float, float]) -> Draft:
+    """The survivor most probably right: its reward mapped through its source's calibration (the first on a tie)."""
+    return max(survivors, key=lambda c: calibrated(calibration, c.side, reward(c)))
 
 
 def arithmetic_checked(survivors: list[Draft]) -> list[Draft]:

@@ -93,12 +93,6 @@ class Candidate:
     def killed(self) -> bool:
         return self.finished == "killed"
 
-    @property
-    def entropy(self) -> float:
-        """Its largest windowed mean entropy (nats) as the commit rule read it (loop.candidate_entropy), to the 4
-        decimals recorded; 0 where no detector watched it, or its step was shorter than the entropy window."""
-        return float((self.detector or {}).get("max_mean_entropy") or 0.0)
-
     def to_json(self) -> dict:
         out = {"side": self.side, "index": self.index, "text": self.text, "tokens": self.tokens,
                "finished": self.finished, "score": self.score}
