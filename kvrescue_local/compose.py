@@ -215,7 +215,8 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
         if not Path(head).exists():
             raise KVRescueError(f"the PRM's reward head {head} is missing: `kvrescue-local prm train --preset {name}` "
                                 "trains one (or pass --prm with a converted PRM)")
-        own = selection.preset is not None and Path(paths["prm"]) == Path(selection.preset.prm)
+        preset_prm = selection.preset.prm if selection.preset else None  # None: a preset without a PRM of its own
+        own = preset_prm is not None and Path(paths["prm"]) == Path(preset_prm)
         check_head_backbone(RewardHead.load(Path(head)), Path(head), Path(paths["prm"]), "PRM",
                             f"`kvrescue-local prm train --preset {name}`" if own else None)
     base = open_model(selection, config, paths["base"]) if needs_base else None
