@@ -10,9 +10,8 @@ from pathlib import Path
 import click
 
 from ..bench.datasets import DATASET_NAMES
-from ..bench.results_file import file_hash
 from ..errors import KVRescueError
-from ..files import check_appendable, check_not_read
+from ..files import check_appendable, check_not_read, file_hash
 from ..prm import FORMATS
 from ..rescue import MODES
 from ..rescue.judge import HelperJudge
