@@ -18,11 +18,11 @@ from .models import quantized_with_progress
 from ..files import check_appendable, check_writable
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES, SCORED_CHOICES
-from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_prompts_fit,
-                             largest_fitting, models_kv_memory)
+from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
+                             check_prompts_fit, largest_fitting, models_kv_memory)
+from ..settings import POSITIVE, PolicySpecs
 from .common import DEFAULTS, name_list, note, parse_size, search_options
-from .options import (POSITIVE, CacheTypeList, IntList, Names, PolicySpecs, check_cache_fit, check_kv_sizes,
-                      check_prm_ctx)
+from .options import CacheTypeList, IntList, Names, check_cache_fit, check_prm_ctx
 
 MODEL_OPTIONS = {"base": "--base", "helper": "--helper", "prm": "--prm", "prm_head": "the PRM's head"}
 DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest

@@ -15,8 +15,9 @@ from ..files import check_appendable, check_not_read, file_hash
 from ..prm import FORMATS
 from ..rescue import MODES
 from ..rescue.judge import HelperJudge
+from ..settings import POSITIVE, SEED
 from .common import name_list, note
-from .options import POSITIVE, SEED, THREADS, IntList
+from .options import THREADS, IntList
 
 
 @click.group()
