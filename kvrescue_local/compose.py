@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .bench.results_file import file_hash
-from .bench.run import Models
 from .errors import KVRescueError
+from .files import file_hash
 from .hub import resolve_gguf, resolve_prm
 from .paths import CACHE
 from .presets import HELPER, Preset, load_preset, preset_of
 from .prm import PRM, PRMParams, RewardHead, head_path, prm_format
-from .rescue import RescueConfig
+from .rescue import Models, RescueConfig
 from .rescue.judge import HelperHead
 from .rescue.limits import ModelFacts, RunModels
 from .runtime import Model

@@ -13,15 +13,20 @@ other kind of file is refused. A missing folder is an error: a mistyped path nev
 from __future__ import annotations
 
 import errno
+import functools
+import hashlib
 import io
 import json
 import math
+import mmap
 import os
 import stat
+import struct
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from . import gguf_header
 from .errors import KVRescueError
 
 # the magic number every zstd frame starts with (RFC 8878)
@@ -193,6 +198,25 @@ def check_input_file(path: str | Path, what: str) -> Path:
     if not stat.S_ISREG(info.st_mode):
         raise KVRescueError(f"{what} {path} is {kind_of(info.st_mode)}, not a regular file: pass a file")
     return path
+
+
+@functools.cache
+def _fingerprint(path: Path, size: int, mtime_ns: int) -> str:
+    if size == 0:
+        return hashlib.sha256(b"").hexdigest()[:16]
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        try:
+            end = gguf_header.index_end(data)
+        except (struct.error, ValueError, KVRescueError):
+            end = min(size, 1 << 20)  # not a readable GGUF (a reward head, a broken file): its first MiB
+        return hashlib.sha256(data[:end]).hexdigest()[:16]
+
+
+def file_hash(path: Path) -> str:
+    """A model file's fingerprint: the SHA-256 of a GGUF's header and tensor index (of another file, its first
+    MiB), cached while the file keeps its size and modification time."""
+    info = path.stat()
+    return _fingerprint(path.resolve(), info.st_size, info.st_mtime_ns)
 
 
 def decode_utf8(data: bytes, where: str) -> str:

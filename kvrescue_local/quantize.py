@@ -24,7 +24,7 @@ import gguf
 
 from . import gguf_header
 from .errors import KVRescueError
-from .files import check_input_file, write_replacing
+from .files import check_input_file, file_hash, write_replacing
 from .paths import CACHE
 
 # the types `models quantize --type` and `bench run --weight-types` take, as llama.cpp's llama-quantize names
@@ -104,8 +104,6 @@ def check_source(src: Path, weight_type: str, allow_requantize: bool) -> str:
 
 def cached_path(src: Path, weight_type: str) -> Path:
     """Where quantized() keeps src at weight_type: the stem, the source's fingerprint and the type."""
-    from .bench.results_file import file_hash
-
     return QUANTIZED_DIR / f"{src.stem}-{file_hash(src)[:8]}-{weight_type}.gguf"
 
 

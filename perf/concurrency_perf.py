@@ -25,6 +25,7 @@ import dataclasses
 import statistics
 import time
 
+from kvrescue_local import toy  # noqa: F401  (registers the toy dataset)
 from kvrescue_local.bench.datasets import load_dataset
 from kvrescue_local.compose import open_models, select_models
 from kvrescue_local.prm import PRM

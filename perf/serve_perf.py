@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from kvrescue_local.bench.datasets import toy_dataset
+from kvrescue_local.toy.dataset import toy_dataset
 
 CLI = [sys.executable, "-m", "kvrescue_local"]
 ENV = dict(os.environ, KVRESCUE_THREADS="1")

@@ -7,9 +7,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvrescue_local.bench.datasets import load_dataset, split_of
-from kvrescue_local.bench.results_file import file_hash, read_rows
+from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.errors import KVRescueError
+from kvrescue_local.files import file_hash
 from kvrescue_local.presets import preset_spec
 from kvrescue_local.prmtrain.commit import fit
 from kvrescue_local.rescue import RescueConfig

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvrescue_local.bench.results_file import file_hash
 from kvrescue_local.cli import main
 from kvrescue_local.compose import helper_head, open_models, select_models
 from kvrescue_local.errors import KVRescueError
+from kvrescue_local.files import file_hash
 from kvrescue_local.gguf_export import TINY_HELPER
 from kvrescue_local.prm import PRM, PRMParams, RewardHead, head_path, prm_format
 from kvrescue_local.rescue import Generator, Rescue

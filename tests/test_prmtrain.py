@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from kvrescue_local.bench.results_file import file_hash, read_rows
+from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.cli import main
 from kvrescue_local.compose import Selection, open_models
 from kvrescue_local.errors import KVRescueError
+from kvrescue_local.files import file_hash
 from kvrescue_local.prm import PRM, PRMParams, RewardHead
 from kvrescue_local.prmtrain.evaluate import pair_scores
 from kvrescue_local.prmtrain.examples import LabelledStep, check_split, killed_texts, labelled_steps

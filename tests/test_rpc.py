@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvrescue_local.bench.datasets import toy_dataset
 from kvrescue_local.compose import preset_config
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.presets import load_preset
@@ -25,6 +24,7 @@ from kvrescue_local.rescue.config import cache_fields
 from kvrescue_local.runtime import Model
 from kvrescue_local.runtime.lib import library_path
 from kvrescue_local.runtime.rpc import parse_endpoints, rpc_library
+from kvrescue_local.toy.dataset import toy_dataset
 
 
 def rpc_build() -> bool:

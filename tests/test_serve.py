@@ -14,13 +14,13 @@ from click.testing import CliRunner
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from kvrescue_local.bench.datasets import toy_dataset  # noqa: E402
 from kvrescue_local.cli import main  # noqa: E402
 from kvrescue_local.cli.serve import build_served, serve  # noqa: E402
 from kvrescue_local.errors import KVRescueError  # noqa: E402
 from kvrescue_local.rescue import Rescue, longest_prompt, loop  # noqa: E402
 from kvrescue_local.serve import engine as engine_module  # noqa: E402
 from kvrescue_local.serve.schemas import MAX_MESSAGES  # noqa: E402
+from kvrescue_local.toy.dataset import toy_dataset  # noqa: E402
 from serving import LoopbackServer  # noqa: E402
 
 # An f32 KV cache: with f16 cells the rounding of a K or V value amplifies the float-order differences that

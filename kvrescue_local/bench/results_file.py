@@ -19,20 +19,16 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
-import functools
 import hashlib
 import json
-import mmap
 import os
-import struct
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .. import gguf_header
 from ..errors import KVRescueError
-from ..files import check_input_file, decompressed, results_target, same_file
+from ..files import check_input_file, decompressed, file_hash, results_target, same_file
 from ..prm import head_path
 from ..rescue import RescueConfig
 from ..rescue.config import SOME_SETTINGS
@@ -222,23 +218,6 @@ def row_key(row: dict) -> tuple[str, str, str, str | None]:
 
 
 # --- what produced a row ----------------------------------------------------------------------------
-
-@functools.cache
-def _fingerprint(path: Path, size: int, mtime_ns: int) -> str:
-    if size == 0:
-        return hashlib.sha256(b"").hexdigest()[:16]
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        try:
-            end = gguf_header.index_end(data)
-        except (struct.error, ValueError, KVRescueError):
-            end = min(size, 1 << 20)  # not a readable GGUF (a reward head, a broken file): its first MiB
-        return hashlib.sha256(data[:end]).hexdigest()[:16]
-
-
-def file_hash(path: Path) -> str:
-    stat = path.stat()
-    return _fingerprint(path.resolve(), stat.st_size, stat.st_mtime_ns)
-
 
 def model_fingerprint(path: str | Path, head: str | Path | None = None) -> dict:
     """{"file", "size", "sha256"}: name, size, and the hash of the header and tensor index (for a PRM,

@@ -24,9 +24,7 @@ from typing import Callable, Iterable, Iterator, TextIO
 
 from ..errors import KVRescueError
 from ..files import check_appendable, compressed_output, json_text, results_target, write_output
-from ..prm import PRM
-from ..rescue import Mode, Rescue, RescueConfig, longest_prompt
-from ..rescue.judge import HelperHead
+from ..rescue import Mode, Models, Rescue, RescueConfig, longest_prompt
 from ..runtime import Model
 from .datasets import Dataset, Problem
 from .metrics import DEFAULT_CACHE, result_line
@@ -130,17 +128,6 @@ def parse_shard(text: str | None) -> tuple[int, int]:
     if not 0 <= index < count:
         raise KVRescueError(f"--shard {text}: i must be in [0, n)")
     return index, count
-
-
-@dataclass
-class Models:
-    base: Model | None
-    helper: Model | None
-    prm: PRM | HelperHead | None  # HelperHead: `--prm helper`, the helper's own context (its model is the helper)
-
-    def files(self) -> dict[str, Path | None]:
-        return {"base": self.base and self.base.path, "helper": self.helper and self.helper.path,
-                "prm": self.prm and self.prm.model.path}
 
 
 def axis_setup(axis: Axis, template: RescueConfig, models: Models) -> dict:

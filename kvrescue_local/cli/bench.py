@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from ..bench.datasets import DATASET_NAMES, load_dataset
+from .. import toy  # noqa: F401  (registers the toy dataset: --dataset toy)
+from ..bench.datasets import dataset_names, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import Axis, cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
 from ..compose import check_calibration_head, model_facts, open_model, open_models, select_models
@@ -18,11 +19,11 @@ from .models import quantized_with_progress
 from ..files import check_appendable, check_writable
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES, SCORED_CHOICES
-from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_prompts_fit,
-                             largest_fitting, models_kv_memory)
+from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
+                             check_prompts_fit, largest_fitting, models_kv_memory)
+from ..settings import POSITIVE, PolicySpecs
 from .common import DEFAULTS, name_list, note, parse_size, search_options
-from .options import (POSITIVE, CacheTypeList, IntList, Names, PolicySpecs, check_cache_fit, check_kv_sizes,
-                      check_prm_ctx)
+from .options import CacheTypeList, IntList, Names, check_cache_fit, check_prm_ctx
 
 MODEL_OPTIONS = {"base": "--base", "helper": "--helper", "prm": "--prm", "prm_head": "the PRM's head"}
 DEFAULT_CONCURRENCY_CAP = 16  # more problems at once than this rarely pays, and a default should stay modest
@@ -34,7 +35,7 @@ def bench() -> None:
 
 
 @bench.command("run")
-@click.option("--dataset", default="math500", show_default=True, help=f"one of {', '.join(DATASET_NAMES)}")
+@click.option("--dataset", default="math500", show_default=True, help=f"one of {', '.join(dataset_names())}")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
 @click.option("--limit", type=POSITIVE, help="first LIMIT problems only")
 @click.option("--skip", type=click.IntRange(min=0), default=0,

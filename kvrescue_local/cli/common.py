@@ -12,7 +12,8 @@ from ..files import json_text, write_output
 from ..rescue import RescueConfig
 from ..rescue.config import WEAK_BASE_CHOICES
 from ..runtime.context import CACHE_TYPES
-from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, THREADS, TOP_P, Finite, PromptTemplate
+from ..settings import POSITIVE, SEED, TEMPERATURE, TOP_P, Finite
+from .options import MAX_THREADS, NON_NEGATIVE, THREADS, PromptTemplate
 
 DEFAULTS = RescueConfig()
 

@@ -1,70 +1,26 @@
 """The command line's one validation layer: every option value is checked as click parses it (a click type
 per kind of value), so a bad value ends in one `Error:` line before any model loads, and no value can reach
-llama.cpp in a form it asserts on. Sizes that depend on the run (the PRM's context against its batch, a budget
+llama.cpp in a form it asserts on (the kinds a served request's fields share live in settings.py). Sizes that depend on the run (the PRM's context against its batch, a budget
 against the base model's trained context) are checked as soon as what they depend on is known, before any
 context is made."""
 
 from __future__ import annotations
 
-import math
 import os
 import string
 
 import click
 
 from ..errors import KVRescueError
-from ..eviction import policy_specs
 from ..files import check_encodable
-from ..rescue import MODES, RescueConfig
-from ..rescue.config import CHOICES
-from ..rescue.limits import check_budget_trained
+from ..rescue import RescueConfig
 from ..runtime import Model
 from ..runtime.context import CACHE_TYPES, check_cache_blocks
 
 MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
-SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 32-bit seed
 THREADS = click.IntRange(0, MAX_THREADS)
-POSITIVE = click.IntRange(min=1)
 NON_NEGATIVE = click.IntRange(min=0)
 PORT = click.IntRange(1, 65535)
-MODE = click.Choice(MODES)
-CHOICE = click.Choice(CHOICES)
-
-
-class Finite(click.ParamType):
-    """A finite float within [low, high] (an open end where low_open / high_open): NaN and infinity are refused,
-    as they would silently switch a check off or write a JSON file that is not JSON."""
-
-    name = "number"
-
-    def __init__(self, low: float | None = None, high: float | None = None, low_open: bool = False,
-                 high_open: bool = False) -> None:
-        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
-
-    def range_text(self) -> str:
-        parts = []
-        if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
-        if self.high is not None:
-            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
-        return " and ".join(parts)
-
-    def convert(self, value, param, ctx) -> float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number", param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number: give one {self.range_text() or 'that is finite'}", param, ctx)
-        too_low = self.low is not None and (number <= self.low if self.low_open else number < self.low)
-        too_high = self.high is not None and (number >= self.high if self.high_open else number > self.high)
-        if too_low or too_high:
-            self.fail(f"{number:g} is out of range: it must be {self.range_text()}", param, ctx)
-        return number
-
-
-TEMPERATURE = Finite(0)
-TOP_P = Finite(0, 1, low_open=True)
 
 
 def comma_items(value) -> list[str]:
@@ -94,50 +50,6 @@ class IntList(click.ParamType):
         if small:
             self.fail(f"{small[0]} is out of range: every value must be >= {self.low}", param, ctx)
         return numbers
-
-
-class PolicySpecs(click.ParamType):
-    """Eviction policy specs (one, or a comma-separated list where several): each known, its options valid and
-    each option given once; a list names each spec once."""
-
-    name = "policy"
-
-    def __init__(self, several: bool) -> None:
-        self.several = several
-
-    def convert(self, value, param, ctx) -> str | list[str]:
-        if isinstance(value, list):
-            return value
-        specs = policy_specs(str(value))  # its KVRescueError is the command's one Error: line
-        if not self.several and len(specs) > 1:
-            self.fail(f"{value!r} names {len(specs)} policies; give one here (bench run --policies takes several)",
-                      param, ctx)
-        for spec in specs:
-            name, _, options = spec.partition(":")
-            keys = [item.partition("=")[0].strip() for item in options.split(",") if item.strip()]
-            twice = sorted({k for k in keys if keys.count(k) > 1})
-            if twice:
-                self.fail(f"{spec!r} sets {', '.join(twice)} more than once: give each option of {name} once",
-                          param, ctx)
-        repeated = sorted({s for s in specs if specs.count(s) > 1})
-        if repeated:
-            self.fail(f"{', '.join(repeated)} is given more than once: name each policy once", param, ctx)
-        return specs if self.several else specs[0]
-
-
-POLICY = PolicySpecs(several=False)
-
-
-def checked(kind: click.ParamType, value):
-    """`value` checked and converted by an option's type outside the command line (a served request's field): the
-    server applies the very checks of the option that sets the field's default. A bad value raises ValueError with
-    the option's message."""
-    try:
-        return kind.convert(value, None, None)
-    except click.BadParameter as exc:
-        raise ValueError(exc.message) from None
-    except KVRescueError as exc:  # a policy spec's own check
-        raise ValueError(str(exc)) from None
 
 
 class Names(click.ParamType):
@@ -219,20 +131,6 @@ def check_prm_ctx(config: RescueConfig, prm_ctx: int) -> None:
     if 0 < prm_ctx < config.n_batch:
         raise KVRescueError(f"--prm-ctx {prm_ctx} is smaller than one batch of {config.n_batch} tokens the PRM "
                             f"decodes at once: pass at least {config.n_batch}, or 0 to size it from the problem")
-
-
-def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_tokens: int, budget_option: str) -> None:
-    """After the base opens, before its contexts are made: a budget or buffer beyond its trained context never
-    evicts (checked from the GGUF header before, limits.check_context_sizes, and here for each base a sweep
-    opens); a protected prompt that fills the budget leaves the policy nothing to choose among."""
-    for config in (c for c in configs if c.evicts and base is not None):
-        check_budget_trained(config, base, budget_option)
-        kv = config.kv
-        needed = prompt_tokens + kv.window
-        if kv.protect_prompt and needed > kv.budget:
-            raise KVRescueError(f"--protect-prompt keeps the prompt's {prompt_tokens} tokens, and with the recent "
-                                f"window of {kv.window} they do not fit in {budget_option} {kv.budget}: raise "
-                                f"{budget_option} to at least {needed}, or pass --evict-prompt")
 
 
 def check_cache_fit(configs: list[RescueConfig], base: Model | None, helper: Model | None) -> None:

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import click
 
-from ..bench.datasets import DATASET_NAMES
-from ..bench.results_file import file_hash
+from .. import toy  # noqa: F401  (registers the toy dataset: --dataset toy)
+from ..bench.datasets import dataset_names
 from ..errors import KVRescueError
-from ..files import check_appendable, check_not_read
+from ..files import check_appendable, check_not_read, file_hash
 from ..prm import FORMATS
 from ..rescue import MODES
 from ..rescue.judge import HelperJudge
+from ..settings import POSITIVE, SEED
 from .common import name_list, note
-from .options import POSITIVE, SEED, THREADS, IntList
+from .options import THREADS, IntList
 
 
 @click.group()
@@ -32,7 +33,7 @@ def prm() -> None:
                    "<preset>-<dataset>-train.jsonl]; repeat it to train on several (with --no-rollouts)")
 @click.option("--no-rollouts", is_flag=True, help="skip stage 1: train on the files' rows as they are (another "
                                                   "process may be writing them)")
-@click.option("--dataset", default="gsm8k", show_default=True, help=f"one of {', '.join(DATASET_NAMES)} (its training "
+@click.option("--dataset", default="gsm8k", show_default=True, help=f"one of {', '.join(dataset_names())} (its training "
                                                                     "split where it has one)")
 @click.option("--limit", type=POSITIVE, default=100, show_default=True, help="first LIMIT problems of the training split")
 @click.option("--modes", default="full,bon,helper", show_default=True, help=f"comma-separated: {', '.join(MODES)}")

@@ -11,10 +11,10 @@ from ..errors import KVRescueError
 from ..eviction import POLICY_HELP
 from ..prm import PRMParams
 from ..rescue import Mode
-from ..rescue.limits import available_memory, check_concurrency_fits, models_kv_memory
+from ..rescue.limits import available_memory, check_concurrency_fits, check_kv_sizes, models_kv_memory
+from ..settings import CHOICE, MODE, POLICY, POSITIVE
 from .common import DEFAULTS, note, parse_size, preset_default, search_options
-from .options import (CHOICE, MODE, NON_NEGATIVE, POLICY, PORT, POSITIVE, check_cache_fit, check_kv_sizes,
-                      comma_items)
+from .options import NON_NEGATIVE, PORT, check_cache_fit, comma_items
 
 DEFAULT_PROMPT_TOKENS = 1024
 API_KEY_VARIABLE = "KVRESCUE_API_KEY"

@@ -12,9 +12,10 @@ from ..eviction import POLICY_HELP
 from ..files import check_writable, read_utf8
 from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
 from ..rescue.config import CHOICES, SCORED_CHOICES
-from ..rescue.limits import available_memory, check_context_sizes, check_problem, check_prompts_fit
+from ..rescue.limits import available_memory, check_context_sizes, check_kv_sizes, check_problem, check_prompts_fit
+from ..settings import POSITIVE, PolicySpecs
 from .common import DEFAULTS, note, preset_default, search_options, write_json
-from .options import POSITIVE, PolicySpecs, check_cache_fit, check_kv_sizes, check_prm_ctx
+from .options import check_cache_fit, check_prm_ctx
 
 
 def one_line(text: str, width: int = 100) -> str:

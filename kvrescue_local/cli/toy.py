@@ -9,7 +9,7 @@ import click
 
 from ..compose import open_models, select_models
 from ..rescue import Mode, Rescue, longest_prompt
-from .options import POSITIVE, SEED
+from ..settings import POSITIVE, SEED
 
 
 @click.group()

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..bench.results_file import file_hash
+from ..files import file_hash
 from ..paths import CACHE
 from ..prm import PRM
 from ..rescue import Trajectory

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import toy  # noqa: F401  (registers the toy dataset: rollouts on --dataset toy)
 from ..bench.datasets import SPLITS, load_dataset
 from ..bench.results_file import read_rows, row_key
 from ..bench.run import run_sweep, sweep_axes

@@ -177,6 +177,20 @@ def check_budget_trained(config: RescueConfig, base: Model | ModelFacts, budget_
                                 "(or run --mode full for no eviction)")
 
 
+def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_tokens: int, budget_option: str) -> None:
+    """After the base opens, before its contexts are made: a budget or buffer beyond its trained context never
+    evicts (checked from the GGUF header before, check_context_sizes, and here for each base a sweep
+    opens); a protected prompt that fills the budget leaves the policy nothing to choose among."""
+    for config in (c for c in configs if c.evicts and base is not None):
+        check_budget_trained(config, base, budget_option)
+        kv = config.kv
+        needed = prompt_tokens + kv.window
+        if kv.protect_prompt and needed > kv.budget:
+            raise KVRescueError(f"--protect-prompt keeps the prompt's {prompt_tokens} tokens, and with the recent "
+                                f"window of {kv.window} they do not fit in {budget_option} {kv.budget}: raise "
+                                f"{budget_option} to at least {needed}, or pass --evict-prompt")
+
+
 def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
                         memory_option: str = "the memory available", prm_ctx: int = 0, problem_bytes: int = 0,
                         budget_option: str = "--budget") -> None:

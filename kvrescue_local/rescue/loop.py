@@ -19,6 +19,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
@@ -173,6 +174,19 @@ class Solving:
     def charge(self, costs: dict[str, float]) -> None:
         for k, v in costs.items():
             self.seconds[k] = self.seconds.get(k, 0.0) + v
+
+
+@dataclass
+class Models:
+    """The models a run opened, None where its modes use none: a Rescue's base, helper and judge."""
+
+    base: Model | None
+    helper: Model | None
+    prm: PRM | HelperHead | None  # HelperHead: `--prm helper`, the helper's own context (its model is the helper)
+
+    def files(self) -> dict[str, Path | None]:
+        return {"base": self.base and self.base.path, "helper": self.helper and self.helper.path,
+                "prm": self.prm and self.prm.model.path}
 
 
 class Rescue:

@@ -21,10 +21,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
-from ..cli.options import check_kv_sizes
 from ..errors import KVRescueError
 from ..rescue import RescueConfig
-from ..rescue.limits import GIB, check_problem
+from ..rescue.limits import GIB, check_kv_sizes, check_problem
 from ..runtime import Model
 from .access import BodyLimit, RequestError, authorized, error_body
 from .engine import Engine, Job, QueueFull

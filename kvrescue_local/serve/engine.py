@@ -20,9 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..bench.run import Models
 from ..errors import KVRescueError
-from ..rescue import Rescue, RescueConfig, Step, Trajectory
+from ..rescue import Models, Rescue, RescueConfig, Step, Trajectory
 from .metrics import Metrics
 
 LENGTH_STOPS = ("max_tokens", "max_steps")  # the `kvrescue.stop`s whose finish_reason is "length"

@@ -2,7 +2,7 @@
 settings as extension fields) and the chunks and responses sent back.
 
 A field that an option of `serve` gives the default of is checked by that option's own click type
-(cli/options.py), so a request cannot ask what the command line refuses; the limits of the running server
+(settings.py), so a request cannot ask what the command line refuses; the limits of the running server
 (-n, --max-budget, --max-tokens, --memory) are Served's checks (app.py). docs/serving.md lists every OpenAI
 field as supported, ignored or refused."""
 
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Union
 import click
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..cli.options import CHOICE, MODE, POLICY, POSITIVE, SEED, TEMPERATURE, TOP_P, checked
+from ..settings import CHOICE, MODE, POLICY, POSITIVE, SEED, TEMPERATURE, TOP_P, checked
 
 EXTENSION = "kvrescue"  # the key of the extension field on chunks and choices: standard clients ignore it
 MAX_MESSAGES = 1024  # the problem is the last user message; a longer chat is no request this server answers
