@@ -32,11 +32,20 @@ def check_problem(text: str, where: str) -> str:
 
 def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems: dict[str, str]) -> None:
     """Each problem's prompt plus one step must fit in every model's trained context: beyond it a model
-    answers garbage, slowly."""
+    answers garbage, slowly. A prompt of more bytes than the room left could hold at the model's longest token is
+    refused from its length, before tokenizing it (megabytes would take seconds and a gigabyte of tokens)."""
     for model in (m for m in models if m is not None):
         room = model.n_ctx_train - config.max_step_tokens
         for where, problem in problems.items():
-            tokens = len(model.tokenize(config.prompt.format(problem=problem)))
+            prompt = config.prompt.format(problem=problem)
+            size = len(prompt.encode("utf-8"))  # at least one byte a token: the vocabulary is read only past room
+            if size > room and size > room * model.longest_token_bytes:
+                raise KVRescueError(
+                    f"{where} is {size:,} bytes with the prompt template, more than {model.path.name}'s trained "
+                    f"context of {model.n_ctx_train:,} tokens (less one step of {config.max_step_tokens}) can hold at "
+                    f"{model.longest_token_bytes} bytes a token at most: shorten it or use a model with a longer "
+                    "context")
+            tokens = len(model.tokenize(prompt))
             if tokens > room:
                 trained = f"{where} takes {tokens:,} tokens with the prompt template, but {model.path.name} was " \
                           f"trained on {model.n_ctx_train:,}"
