@@ -46,7 +46,7 @@ def test_a_problem_longer_than_any_context_holds_is_refused_from_its_length_befo
     data = data_file(tmp_path, '{"id": 1, "problem": "1+1", "answer": "2"}',
                      '{"id": 2, "problem": "%s", "answer": "3"}' % ("a=1 " * 250_000))
     message = one_error_line(invoke("bench", "run", "--data", data, *FAST, "--results", tmp_path / "r.jsonl"))
-    assert "data problem 2 is 1,000,050 bytes" in message and "bytes with the prompt template" in message and "1,024" in message
+    assert "data problem 2 takes at least 76,927 tokens (1,000,050 bytes, at most 13 a token)" in message, message
     assert tokenized and max(tokenized) < 100_000, "the long problem was tokenized"
 
 
