@@ -181,6 +181,38 @@ def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_
                      ModelFacts.read(paths["prm"]) if own_prm else None)
 
 
+# settings whose default a model may not honour: (RescueConfig field, or ("kv", field)), its option, the models whose
+# trained context bounds it (the buffer only where the base evicts)
+TRAINED_BOUNDS = (("max_tokens", "--max-tokens", ("base", "helper")),
+                  ("max_step_tokens", "--max-step-tokens", ("base", "helper")),
+                  (("kv", "buffer"), "--buffer", ("base",)))
+
+
+def fit_defaults(config: RescueConfig, models: RunModels, options: dict,
+                 note: Callable[[str], None] = lambda text: None) -> RescueConfig:
+    """config with each setting the command line did not give that a model it uses cannot honour (RescueConfig's
+    defaults are sized for models of 4,096 positions; a preset's recipe for the preset's own models) lowered to that
+    model's trained context, saying so in one note. A value the command line gave is left for check_context_sizes
+    to refuse."""
+    given = option_overrides(options)
+    used = {"base": models.base if config.uses_base else None, "helper": models.helper if config.uses_helper else None}
+    lowered, said = [], []
+    for field, option, roles in TRAINED_BOUNDS:
+        nested = isinstance(field, tuple)
+        value = getattr(config.kv, field[1]) if nested else getattr(config, field)
+        is_given = field[1] in given.get("kv", {}) if nested else field in given
+        bounds = [used[role] for role in roles if used[role] is not None and (not nested or config.evicts)]
+        model = min(bounds, key=lambda m: m.n_ctx_train, default=None)
+        if is_given or model is None or value <= model.n_ctx_train:
+            continue
+        lowered.append({field[0]: {field[1]: model.n_ctx_train}} if nested else {field: model.n_ctx_train})
+        said.append(f"{option} {value:,} to {model.n_ctx_train:,}, the positions {model.name} was trained on")
+    if not lowered:
+        return config
+    note(f"lowered the default {'; '.join(said)} (give them to choose)")
+    return config.with_overrides(merged(*lowered))
+
+
 def open_model(selection: Selection, config: RescueConfig, path: Path) -> Model:
     """A base or helper model with the run's offload: over RPC every layer goes to the servers unless -ngl says how
     many (-ngl 0: none)."""

@@ -203,12 +203,16 @@ def load_preset(name: str, offline: bool | None = None) -> Preset:
 
 
 def preset_of(role: str, path: Path) -> Preset | None:
-    """The bundled preset whose `role` model is the file at `path`, or a quantization of it by `models quantize`
-    into the cache (its prompt and recipe apply), if any."""
-    from .quantize import is_copy_of
+    """The bundled preset whose `role` model is the file at `path` (its prompt and recipe apply), if any: that file
+    under any name, a copy of it (the same fingerprint, files.file_hash), or a quantization of it by `models
+    quantize` (the source it recorded, quantize.quantized_from, or the model cache's name for it)."""
+    from .files import file_hash
+    from .quantize import is_copy_of, quantized_from
 
+    path = Path(path)
+    identities = {file_hash(path), quantized_from(path)} if path.is_file() else set()
     for name in BUNDLED:
         own = SHIPPED_MODELS / name / f"{role}.gguf"
-        if own.exists() and (Path(path).resolve() == own.resolve() or is_copy_of(path, own)):
+        if own.exists() and (path.resolve() == own.resolve() or file_hash(own) in identities or is_copy_of(path, own)):
             return bundled_preset(name)
     return None

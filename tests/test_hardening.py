@@ -349,3 +349,33 @@ def test_a_protected_prompt_that_fills_the_budget_is_refused_before_solving(tmp_
     assert not (tmp_path / "r.jsonl").exists()
     roomy = invoke("solve", *FAST, "--protect-prompt", "--budget", 200, PROBLEM)
     assert roomy.exit_code == 0, roomy.output
+
+
+# --- a copy of a preset's model takes its recipe; another model's defaults are lowered to what it holds -------------
+
+def test_a_copy_of_the_presets_base_and_its_quantized_copy_take_the_presets_recipe(tmp_path):
+    copy = tmp_path / "base.gguf"
+    copy.write_bytes((TOY / "base.gguf").read_bytes())
+    quantized = invoke("models", "quantize", copy, "--type", "Q8_0", "--out", tmp_path / "q8.gguf")
+    assert quantized.exit_code == 0, quantized.output
+    recorded = json.loads((tmp_path / "q8.gguf.source.json").read_text())
+    assert recorded["source"] == "base.gguf" and recorded["type"] == "Q8_0"
+    for base in (copy, tmp_path / "q8.gguf"):  # --max-tokens etc. are the preset's (320), not RescueConfig's (4096)
+        solved = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--base", base, PROBLEM)
+        assert solved.exit_code == 0 and "answer: " in solved.output and "lowered" not in solved.output, solved.output
+
+
+def test_another_models_defaults_are_lowered_to_its_trained_context_and_only_a_given_value_is_refused(tmp_path):
+    from kvrescue_local.gguf_export import TINY_BASE, write_tiny_model
+
+    short = write_tiny_model(tmp_path / "short.gguf", dataclasses.replace(TINY_BASE, n_ctx_train=1024), seed=1)
+    solved = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--base", short, PROBLEM)
+    assert solved.exit_code == 0 and "answer: " in solved.output, solved.output
+    assert ("lowered the default --max-tokens 4,096 to 1,024, the positions short.gguf was trained on (give them to "
+            "choose)") in solved.stderr
+    given = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--max-tokens", 4096, "--base", short, PROBLEM)
+    assert "--max-tokens 4096 exceeds the 1,024 positions short.gguf was trained on" in one_error_line(given)
+    (tmp_path / "q8.gguf").write_bytes(short.read_bytes())  # a record that names another file's fingerprint
+    (tmp_path / "q8.gguf.source.json").write_text(json.dumps({"source_sha256": "x", "sha256": "stale"}))
+    stale = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--base", tmp_path / "q8.gguf", PROBLEM)
+    assert stale.exit_code == 0 and "lowered the default --max-tokens" in stale.stderr, stale.output

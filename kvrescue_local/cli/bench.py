@@ -10,7 +10,7 @@ from .. import toy  # noqa: F401  (registers the toy dataset: --dataset toy)
 from ..bench.datasets import dataset_names, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import Axis, cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
-from ..compose import check_calibration_head, model_facts, open_model, open_models, select_models
+from ..compose import check_calibration_head, fit_defaults, model_facts, open_model, open_models, select_models
 from ..errors import KVRescueError
 from ..hub import resolve_gguf
 from ..quantize import WEIGHT_TYPES
@@ -85,6 +85,7 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
     selection = select_models(options, needs_base, needs_helper, note=note,
                               needs_prm=most_sides * max(ns) > 1 and (choices is None or bool(set(choices) & set(SCORED_CHOICES))))
     template = selection.config(options, None if data else dataset, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
+    template = fit_defaults(template, model_facts(selection, needs_base, needs_helper, 1), options, note)
     choices = choices or [template.choice]
     caches = cache_axis(cache_types, template, options)
 

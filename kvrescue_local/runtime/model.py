@@ -82,6 +82,12 @@ class Model:
     def n_vocab(self) -> int:
         return llama().llama_vocab_n_tokens(self.vocab)
 
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token spells: a text of B bytes takes at least B / this many tokens (read once, from
+        every token of the vocabulary)."""
+        return max(len(self.detokenize_bytes([token])) for token in range(self.n_vocab))
+
     @property
     def n_embd(self) -> int:
         return llama().llama_model_n_embd(self.handle)
