@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KVRescueError
+from ..files import check_input_file
 from .. import interrupts
 from .lib import device_list, llama, load_progress, patched
 
@@ -20,8 +21,7 @@ def check_gguf_file(path: Path) -> Path:
     """Fail with a one-line fix before llama.cpp sees a path that cannot be a GGUF."""
     if not path.exists():
         raise KVRescueError(f"GGUF file not found: {path}; pass the path of an existing .gguf file or a preset name")
-    if path.is_dir():
-        raise KVRescueError(f"{path} is a directory; pass the .gguf file inside it")
+    check_input_file(path, "the model", "pass the path of a .gguf file")  # a FIFO would block llama.cpp's load too
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
