@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KVRescueError
-from ..files import check_input_file
 from .. import interrupts
 from .lib import device_list, llama, load_progress, patched
 
@@ -21,7 +20,10 @@ def check_gguf_file(path: Path) -> Path:
     """Fail with a one-line fix before llama.cpp sees a path that cannot be a GGUF."""
     if not path.exists():
         raise KVRescueError(f"GGUF file not found: {path}; pass the path of an existing .gguf file or a preset name")
-    check_input_file(path, "the model", "pass the path of a .gguf file")  # a FIFO would block llama.cpp's load too
+    if path.is_dir():
+        raise KVRescueError(f"{path} is a directory; pass the .gguf file inside it")
+    if not path.is_file():  # read, a FIFO would block (llama.cpp's load too) and a device never end
+        raise KVRescueError(f"{path} is not a regular file (a FIFO, device or socket); pass the path of a .gguf file")
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
