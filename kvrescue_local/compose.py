@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import KVRescueError
-from .files import file_hash
+from .files import check_input_file, file_hash
 from .hub import resolve_gguf, resolve_prm
 from .paths import CACHE
 from .presets import HELPER, Preset, load_preset, preset_of
@@ -168,7 +168,23 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     source = preset if given[primary] is None else preset_of(primary, paths[primary])
     rpc = parse_endpoints(options["rpc"]) if options.get("rpc") else ()
     given_layers = options.get("n_gpu_layers")
-    return Selection(paths, source, rpc, ALL_LAYERS if given_layers is None else given_layers)
+    selection = Selection(paths, source, rpc, ALL_LAYERS if given_layers is None else given_layers)
+    check_model_files(selection, given)
+    return selection
+
+
+def check_model_files(selection: Selection, given: dict) -> None:
+    """Each model file of the run and the PRM's reward head a regular file, checked before anything reads them
+    (their headers, the head's arrays, llama.cpp's load): a FIFO would block each reader forever. A missing one
+    is left to the reader that opens it, which names the fix."""
+    for role in ("base", "helper", "prm"):
+        path = selection.paths[role]
+        if path is not None and path != HELPER:
+            check_input_file(path, f"--{role}" if given[role] else f"the preset's {role} model",
+                             "pass the path of a .gguf model file", missing_ok=True)
+    if selection.head is not None:
+        check_input_file(selection.head, "the PRM's reward head", "pass a .head.npz file (--prm PATH.gguf:HEAD.npz)",
+                         missing_ok=True)
 
 
 def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_candidates: int) -> RunModels:

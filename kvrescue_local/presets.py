@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KVRescueError
+from .files import check_input_file
 from .gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
 from .hub import HUB_PRESETS, HubModels, resolve_gguf, resolve_prm
 from .paths import CACHE, SHIPPED_MODELS
@@ -83,7 +84,8 @@ def tiny_preset(directory: Path = CACHE / "tiny") -> Preset:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(check_input_file(path, "preset file", "restore it from the repository", missing_ok=True)
+                          .read_text())
     except (OSError, ValueError) as exc:
         raise KVRescueError(f"{path} is unreadable ({exc}): restore it from the repository") from None
     if not isinstance(data, dict):

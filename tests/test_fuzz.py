@@ -391,6 +391,75 @@ def test_malformed_result_rows_end_in_a_result_or_one_error_line(server, inputs,
     one()
 
 
+def extreme_sizes() -> dict[str, list[str]]:
+    """Every numeric option of every registered policy and every size of the budget, huge and negative: a size
+    that drives a loop or an allocation (rkv:kernel=1000000000 once pooled for hours) is refused as it is read."""
+    import dataclasses
+
+    from kvrescue_local.eviction import POLICIES
+
+    solve = ["solve", *FAST, "-n", "2", "--budget", "48"]
+    out = {}
+    for name, policy in sorted(POLICIES.items()):
+        for option in dataclasses.fields(policy):
+            if type(option.default) in (int, float):
+                for value in (HUGE[0], "-" + HUGE[0]):
+                    out[f"{name}:{option.name}={value}"] = [*solve, "--policy", f"{name}:{option.name}={value}",
+                                                            PROBLEMS[0]]
+    for option in ("--budget", "--buffer", "--window", "--n-sink"):
+        for value in (HUGE[2], "-1"):
+            out[f"{option}={value}"] = [*solve, option, value, PROBLEMS[0]]
+    return out
+
+
+EXTREME_SIZES = extreme_sizes()
+
+
+@pytest.mark.parametrize("args", EXTREME_SIZES.values(), ids=EXTREME_SIZES.keys())
+def test_a_policy_or_budget_size_at_an_extreme_ends_in_one_error_line(server, inputs, tmp_path_factory, args):
+    assert check(server, inputs, tmp_path_factory, args, named_outputs(args))["status"] != "rc 0", args
+
+
+TOY_MODELS = Path(__file__).resolve().parent.parent / "models" / "toy"
+# every input path a command reads, {} where the special file goes (a head's name ends in .npz)
+INPUT_PATHS = {
+    "solve --base": ["solve", *FAST, "--base", "{}", PROBLEMS[0]],
+    "solve --helper": ["solve", *FAST, "--helper", "{}", PROBLEMS[0]],
+    "solve --prm": ["solve", *FAST, "-n", "2", "--prm", "{}", PROBLEMS[0]],
+    "solve --prm head": ["solve", *FAST, "-n", "2", "--prm", f"{TOY_MODELS / 'prm.gguf'}:{{}}.npz", PROBLEMS[0]],
+    "bench run --bases": [*RUN_TOY, "--bases", "{}", "--results", "r.jsonl"],
+    "bench run --data": ["bench", "run", "--data", "{}", *FAST, "--results", "r.jsonl"],
+    "bench run --resume": [*RUN_TOY, "--resume", "--results", "{}"],
+    "serve --base": ["serve", "--preset", "toy", "-t", "1", "--base", "{}"],
+    "report": ["report", "{}"],
+    "report --html": ["report", "--html", "{}", "--out", "page.html"],
+    "bench merge": ["bench", "merge", "shard0.jsonl", "{}", "--out", "m.jsonl"],
+    "prm train --rollouts": ["prm", "train", "--preset", "toy", "--rollouts", "{}", "--out", "h.head.npz"],
+    "prm train --helper": ["prm", "train", "--preset", "toy", "--helper", "{}", "--out", "h.head.npz"],
+    "estimate --base": ["estimate", "--base", "{}"],
+}
+MODEL_INPUTS = ["solve --base", "solve --helper", "solve --prm", "solve --prm head", "bench run --bases", "serve --base"]
+SPECIAL_INPUTS = {f"{case} {kind}": [kind if a == "{}" else a.replace("{}", kind) for a in INPUT_PATHS[case]]
+                  for case in INPUT_PATHS for kind in ("fifo", *(["zero", "adir"] if case in MODEL_INPUTS else []))}
+
+
+def special_inputs(work: Path) -> None:
+    """The FIFO, a character device and a folder under the names a head takes too (NAME.npz)."""
+    os.mkfifo(work / "fifo.npz")
+    (work / "zero").symlink_to("/dev/zero")
+    (work / "zero.npz").symlink_to("/dev/zero")
+    (work / "adir.npz").mkdir()
+
+
+@pytest.mark.parametrize("args", SPECIAL_INPUTS.values(), ids=SPECIAL_INPUTS.keys())
+def test_a_special_file_as_any_input_is_one_error_line(server, inputs, tmp_path_factory, args):
+    """A FIFO given as a model, head, data, results or trajectory file once blocked its reader forever; a
+    device or folder is refused as well, before anything reads it."""
+    done = check(server, inputs, tmp_path_factory, args, named_outputs(args), prepare=special_inputs)
+    refused = "not a regular file" in done["output"] or "is a directory" in done["output"]
+    assert done["status"] != "rc 0" and refused, f"{args}\n{done['output'][-2000:]}"
+
+
 # === files by identity: concurrent writers, an output naming an input, special files ===================
 # Fixed examples (derandomized): a failure here reproduces as it is.
 

@@ -180,6 +180,42 @@ def test_a_results_path_that_is_a_device_is_refused(tmp_path):
     assert "not a regular file" in one_error_line(invoke("bench", "merge", zero, "--out", tmp_path / "m.jsonl"))
 
 
+# each command that reads a model or head, with {} where the FIFO goes, and what its error says: `solve`, `bench
+# run` and `serve` once blocked forever opening it (reading its GGUF header, then in llama.cpp's load)
+FIFO_MODELS = {"--base": ["solve", *FAST, "--base", "{}", PROBLEM],
+               "--helper": ["bench", "run", "--dataset", "toy", "--limit", "1", *FAST, "--helper", "{}",
+                            "--results", "r.jsonl"],
+               "--prm": ["serve", "--preset", "toy", "-t", "1", "-n", "2", "--prm", "{}"],
+               "reward head": ["solve", *FAST, "-n", "2", "--prm", f"{TOY / 'prm.gguf'}:{{}}", PROBLEM],
+               "--bases": ["bench", "run", "--dataset", "toy", "--limit", "1", *FAST, "--bases", "{}",
+                           "--results", "r.jsonl"],
+               "": ["doctor", "--load-on", "CPU", "--model", "{}"]}  # straight to llama.cpp's load: no option named
+RUN_EACH = """import json, sys
+from click.testing import CliRunner
+from kvrescue_local.cli import main
+for args in json.loads(sys.argv[1]):
+    print(json.dumps(CliRunner().invoke(main, args).output), flush=True)
+"""
+
+
+def test_a_fifo_as_a_model_or_head_is_one_error_line_not_a_hang(tmp_path):
+    """Every command in one child (one start-up), killed if it blocks: a FIFO is refused before it is opened."""
+    fifo = tmp_path / "model.head.npz"
+    os.mkfifo(fifo)
+    runs = [[str(fifo) if a == "{}" else a.replace("{}", str(fifo)) for a in args] for args in FIFO_MODELS.values()]
+    try:
+        done = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(runs)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "KVRESCUE_THREADS": "1"})
+    except subprocess.TimeoutExpired as hung:
+        answered = (hung.stdout or b"").count(b"\n")
+        pytest.fail(f"blocked on the FIFO: {runs[answered]}")
+    outputs = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(outputs) == len(runs), done.stderr
+    for option, output in zip(FIFO_MODELS, outputs):
+        errors = [line for line in output.splitlines() if line.startswith("Error:")]
+        said = f"{option} {fifo} is a FIFO, not a regular file: pass" if option else f"{fifo} is not a regular file"
+        assert len(errors) == 1 and said in errors[0], output
+
 # --- 5. sizes llama.cpp asserts on ------------------------------------------------------------------
 
 @pytest.mark.parametrize("prm_ctx", ["1", "5", "16", "64", "-1"])

@@ -16,7 +16,7 @@ from ..hub import resolve_gguf
 from ..quantize import WEIGHT_TYPES
 from ..runtime.context import check_cache_types
 from .models import quantized_with_progress
-from ..files import check_appendable, check_writable
+from ..files import check_appendable, check_input_file, check_writable
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES, SCORED_CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
@@ -196,6 +196,9 @@ def base_axis(bases: str | None, weight_types: list[str] | None, allow_requantiz
     sources = [resolve_gguf(b.strip()) for b in bases.split(",") if b.strip()] if bases else [selection.paths["base"]]
     if not sources:
         raise KVRescueError(f"--bases {bases!r} names no model: give comma-separated GGUF paths")
+    for source in sources:  # a missing one is named by opening it
+        check_input_file(source, "--bases" if bases else "--base", "pass the path of a .gguf model file",
+                         missing_ok=True)
     files = {}
     for source in sources:
         for weight_type in weight_types or [None]:

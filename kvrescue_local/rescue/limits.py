@@ -144,6 +144,8 @@ class ModelFacts:
         """The facts of a GGUF file; None where it is missing, no GGUF or its header lacks them (opening the model
         then says what is wrong, in the order it checks)."""
         path = Path(path)
+        if not path.is_file():  # a FIFO would block the open: opening the model refuses it
+            return None
         try:
             with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 values = {key: gguf_header.string(data, at) if kind == gguf_header.STRING else
