@@ -16,7 +16,7 @@ from ..errors import KVRescueError
 from ..eviction import policy_specs
 from ..files import check_encodable
 from ..rescue import MODES, RescueConfig
-from ..rescue.config import CHOICES
+from ..rescue.rules import parse_rule
 from ..rescue.limits import check_budget_trained
 from ..runtime import Model
 from ..runtime.context import CACHE_TYPES, check_cache_blocks
@@ -28,7 +28,6 @@ POSITIVE = click.IntRange(min=1)
 NON_NEGATIVE = click.IntRange(min=0)
 PORT = click.IntRange(1, 65535)
 MODE = click.Choice(MODES)
-CHOICE = click.Choice(CHOICES)
 
 
 class Finite(click.ParamType):
@@ -126,6 +125,19 @@ class PolicySpecs(click.ParamType):
 
 
 POLICY = PolicySpecs(several=False)
+
+
+class RuleSpec(click.ParamType):
+    """A commit rule's spec (rescue/rules/base.py), checked and written back canonically: its error lists the
+    rules and their parameters."""
+
+    name = "rule"
+
+    def convert(self, value, param, ctx) -> str:
+        return parse_rule(str(value)).spec  # its KVRescueError is the command's one Error: line
+
+
+RULE = RuleSpec()
 
 
 def checked(kind: click.ParamType, value):
