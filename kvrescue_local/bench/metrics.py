@@ -41,7 +41,7 @@ import numpy as np
 
 from ..rescue import MODES, Mode, Trajectory
 from ..rescue.record import LENGTH_CAPS
-from ..rescue.rules import Rule, parse_rule
+from ..rescue.rules import Arith, Rule, parse_rule
 from .results_file import AXIS_RECORDS, SOME_CONFIGURATIONS, differences
 
 DEGENERATE_STEPS = 256
@@ -515,13 +515,26 @@ def judge_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 
 def check_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                       seed: int = 0) -> list[PairedComparison]:
     """Each configuration whose rounds set aside false arithmetic (a) against the same configuration without the
-    check (b), of the same setup (the same rule's parameters too): what the check alone changes."""
+    check (b), of the same setup but for the check (the same rule's parameters too): what the check alone changes."""
     def unchecked(groups, a):
         if not a.check_arithmetic:
             return []
-        return partners(groups, a, mode=a.mode, choice=a.choice, budget=a.budget, policy=a.policy, weights=a.weights,
-                        kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache, check_arithmetic=False, setup=a.setup)
+        found = partners(groups, a, mode=a.mode, choice=a.choice, budget=a.budget, policy=a.policy, weights=a.weights,
+                         kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache, check_arithmetic=False)
+        wanted = setup_label(without_check(groups[a][0]))
+        return [b for b in found if not a.setup or b.setup == wanted]
     return comparisons(rows, pool_setups, draws, seed, unchecked)
+
+
+def without_check(row: dict) -> dict:
+    """The row with its rule's arithmetic check taken off where its setup records the rule: the setup of the same
+    configuration unchecked."""
+    settings = (row.get("setup") or {}).get("settings") or {}
+    rule = rule_of(str(settings.get("rule", "judge")))
+    if not isinstance(rule, Arith) or "rule" not in settings:
+        return row
+    return {**row, "setup": {**row["setup"], "settings": {**settings, "rule": rule.rule.spec}}}
+
 
 
 def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[PairedComparison]:

@@ -169,7 +169,7 @@ def upgrade(row: dict) -> dict:
             settings_.setdefault(name, 0.0)
             config.setdefault(name, 0.0)
     if isinstance(config, dict) and "rule" not in config:
-        rule = old_rule(config)
+        rule = old_rule({**settings_, **config})
         for name in OLD_RULE_FIELDS:
             config.pop(name, None)
             settings_.pop(name, None)
