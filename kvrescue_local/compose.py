@@ -98,9 +98,10 @@ def check_fitted_for(selection: Selection, name: str | None) -> None:
         return
     fitted = sorted(preset.dataset_recipes) if preset else []
     if name not in fitted:
-        whose = f"the {preset.name} preset fitted rules for {', '.join(fitted) or 'no dataset'}" if preset else \
-            "these models are no preset's, which fits them"
-        raise KVRescueError(f"--fitted-for {name}: {whose}; pass one of those, or --rule SPEC")
+        whose = (f"the {preset.name} preset fitted rules for {', '.join(fitted)} only; pass one of those, or --rule SPEC"
+                 if fitted else f"the {preset.name if preset else 'chosen'} preset fitted no rule for a dataset: pass "
+                                "--rule SPEC")
+        raise KVRescueError(f"--fitted-for {name}: {whose}")
 
 
 def rule_note(selection: Selection, rule: Rule, given: str | None, fitted_for: str | None, dataset: str | None) -> str:

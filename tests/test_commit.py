@@ -430,3 +430,94 @@ def test_rows_written_before_rules_were_specs_resume_and_merge_with_the_rule_the
     assert sweep(other, "by-budget:32,lead:helper,lead:base").exit_code == 0
     refused = CliRunner().invoke(main, ["bench", "merge", str(old), str(other), "--out", str(tmp_path / "o.jsonl")])
     assert refused.exit_code != 0 and "rule 'by-budget:32,judge,lead:base'" in refused.output, refused.output
+
+
+SPECS = ["judge", "judge:margin=0.005", "random", "lead:base", "lead:helper,margin=0.2,pick=0.005", "calibrated:1,0,1,0",
+         "by-budget:32,judge,lead:base", "arith:by-budget:32,random,lead:helper"]
+
+
+def test_every_registered_rule_solves_through_llama_cpp_on_the_toy_preset():
+    from kvrescue_local.rescue.rules import RULES
+
+    assert {parse_rule(spec).name for spec in SPECS} | {"arith"} >= set(RULES), "a spec of every registered rule"
+    for spec in SPECS:
+        ran = CliRunner().invoke(main, ["solve", "--preset", "toy", "-t", "1", "-n", "2", "--budget", "32",
+                                        "--rule", spec, "a=3 b=4\nCompute 2 terms: a+b."])
+        assert ran.exit_code == 0, (spec, ran.output)
+        assert f"rule: {spec} (--rule)" in ran.output and "answer:" in ran.output, ran.output
+
+
+def test_the_old_rule_options_and_a_bad_spec_are_one_error_line_each():
+    for args, says in ((["--choice", "prm"], "--choice is gone: commit rules are specs now, pass --rule judge"),
+                       (["--choice", "regime"], "pass --rule by-budget:BUDGET,judge,lead:base"),
+                       (["--pick-margin", "0.005"], "pass --rule judge:margin=0.005"),
+                       (["--helper-margin", "0.3"], "pass --rule lead:base,margin=0.3"),
+                       (["--judge-max-budget", "32"], "pass --rule by-budget:32,judge,lead:base"),
+                       (["--weak-base-choice", "calibrated"], "pass --rule by-budget:BUDGET,calibrated,lead:base"),
+                       (["--check-arithmetic"], "pass --rule arith:RULE"),
+                       (["--rule", "bogus"], "--rule 'bogus' is not a rule spec (unknown rule 'bogus'): write one of "
+                                             "judge[:margin=M]"),
+                       (["--rule", "lead:base,margin=2"], "lead's margin must be in [0, 1]")):
+        for command in (["solve"], ["bench", "run", "--results", "x.jsonl"], ["serve"]):
+            ran = CliRunner().invoke(main, [*command, *args, "1+1?"] if command == ["solve"] else [*command, *args])
+            errors = [line for line in ran.output.splitlines() if line.startswith("Error:")]
+            assert ran.exit_code != 0 and len(errors) == 1 and says in errors[0], (command, args, ran.output)
+            assert "Traceback" not in ran.output and len(ran.output.strip().splitlines()) == 1, ran.output
+    listing = CliRunner().invoke(main, ["solve", "--rule", "bogus", "x"]).output
+    for usage in ("random", "lead:SIDE[,margin=M,pick=P]", "calibrated[:BS,BB,HS,HB]", "by-budget:B,RULE,RULE",
+                  "arith:RULE"):
+        assert usage in listing, "a bad spec lists every rule and its parameters"
+    for command in (["solve"], ["bench", "run"], ["serve"]):
+        shown = CliRunner().invoke(main, [*command, "--help"]).output
+        assert "--rule" in shown and not any(old in shown for old in ("--choice", "--pick-margin", "--helper-margin",
+                                                                      "--base-margin", "--judge-max-budget",
+                                                                      "--weak-base-choice", "--check-arithmetic"))
+
+
+def test_the_coder_presets_specs_say_what_its_rule_fields_said():
+    """The coder preset's rules, written as fields before rules were specs (its preset.json's pick margin laid under
+    its commit.json's rule settings), read as the specs it now ships: its trajectories are the ones they were."""
+    from kvrescue_local.bench.results_file import old_rule
+    from kvrescue_local.paths import SHIPPED_MODELS
+
+    before = {"rule": {"choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"},
+              "gsm8k": {"choice": "regime", "judge_max_budget": 64, "weak_base_choice": "calibrated",
+                        "helper_margin": 0.0, "calibration": [1.959263, -2.365101, 2.66623, -2.798793],
+                        "check_arithmetic": True},
+              "math500": {"choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"}}
+    spec = preset_spec(SHIPPED_MODELS / "coder")
+    now = {"rule": spec["recipe"]["rule"], **{d: r["rule"] for d, r in spec["dataset_recipes"].items()}}
+    assert now == {name: old_rule({"pick_margin": 0.005, **fields}).spec for name, fields in before.items()}
+
+
+def test_a_data_file_takes_the_rule_fitted_for_the_dataset_it_names(tmp_path, monkeypatch):
+    """`bench run --data FILE` holds problems of no named dataset: the preset's default rule applies, and says so
+    with the datasets it fitted others for; `--fitted-for NAME` applies NAME's, and names it; an unknown NAME is one
+    Error line."""
+    import dataclasses
+
+    from kvrescue_local import presets
+
+    toy = presets.load_preset("toy")
+    monkeypatch.setitem(presets.PRESETS, "toy", lambda: dataclasses.replace(
+        toy, recipe={**toy.recipe, "rule": "judge"}, dataset_recipes={"toy": {"rule": "lead:helper"}}))
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer}) + "\n"
+                            for p in load_dataset("toy").problems[:1]))
+    args = ["bench", "run", "--data", str(data), "--preset", "toy", "-t", "1", "--modes", "kvrescue", "--ns", "1",
+            "--budgets", "32"]
+    plain = CliRunner().invoke(main, [*args, "--results", str(tmp_path / "plain.jsonl")])
+    assert plain.exit_code == 0, plain.output
+    assert "rule: judge (the toy preset's default; --fitted-for NAME takes the one fitted for toy)" in plain.output
+    fitted = CliRunner().invoke(main, [*args, "--fitted-for", "toy", "--results", str(tmp_path / "fitted.jsonl")])
+    assert fitted.exit_code == 0, fitted.output
+    assert fitted.output.count("rule: lead:helper (the toy preset's, fitted for toy: --fitted-for toy)") == 1
+    assert read_rows(tmp_path / "fitted.jsonl")[0]["config"]["rule"] == "lead:helper"
+    named = CliRunner().invoke(main, [*args[:2], "--dataset", "toy", *args[4:], "--results", str(tmp_path / "n.jsonl")])
+    assert "rule: lead:helper (the toy preset's, fitted for toy: --dataset toy)" in named.output, named.output
+    solved = CliRunner().invoke(main, ["solve", "--preset", "toy", "-t", "1", "--fitted-for", "toy", "1+1?"])
+    assert "rule: lead:helper (the toy preset's, fitted for toy: --fitted-for toy)" in solved.output, solved.output
+    unknown = CliRunner().invoke(main, [*args, "--fitted-for", "gsm8k", "--results", str(tmp_path / "u.jsonl")])
+    errors = [line for line in unknown.output.splitlines() if line.startswith("Error:")]
+    assert unknown.exit_code == 1 and errors == ["Error: --fitted-for gsm8k: the toy preset fitted rules for toy only; "
+                                                 "pass one of those, or --rule SPEC"], unknown.output
