@@ -88,8 +88,6 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
                                 kv={"budget": max(budgets)})
     given = list(rules)
     rules = [fitted_rule(selection.preset, fitted, rule).spec for rule in given] or [template.rule.spec]
-    for rule in rules:
-        note(rule_note(selection, rule, "--rule" if given else None, fitted_for, None if data else dataset))
     caches = cache_axis(cache_types, template, options)
 
     def axes_of(weights: list[str]) -> list[Axis]:
@@ -145,6 +143,8 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
         note("on a CPU with flash attention off each problem runs in contexts of its own, about as fast as one at a "
              "time; --flash-attn on lets a model whose weights outweigh the attention share one context (faster on "
              "the coder pair, docs/throughput.md), and with it a trajectory depends on its batch mates by rounding")
+    for rule in rules:  # once all is checked
+        note(rule_note(selection, rule, "--rule" if given else None, fitted_for, None if data else dataset))
     total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 

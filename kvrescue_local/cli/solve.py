@@ -55,7 +55,6 @@ def solve(problem, problem_file, json_path, **options) -> None:
     selection = select_models(options, mode.uses_base, mode.uses_helper, note=note,
                               needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and rule_needs_judge(options))
     config = selection.config(options, options["fitted_for"])
-    note(rule_note(selection, config.rule, options["rule"], options["fitted_for"], None))
     check_prm_ctx(config, options["prm_ctx"])
     max_candidates = config.candidates_per_round if config.needs_prm else 1
     check_context_sizes(config, model_facts(selection, config.uses_base, config.uses_helper, max_candidates),
@@ -66,6 +65,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
     check_cache_fit([config], models.base, models.helper)
     if models.base is not None:
         check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]), "--budget")
+    note(rule_note(selection, config.rule, options["rule"], options["fitted_for"], None))  # once all is checked
     engine = Rescue(config, models.base, models.helper, models.prm,
                     prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [text]))
     try:

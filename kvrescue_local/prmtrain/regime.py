@@ -31,8 +31,8 @@ from .examples import check_split
 PICK_MARGIN = 0.005
 
 
-def regime_rule(judge_max_budget: int = 0, weak_base_choice: str = "helper-first", calibration=None, helper_margin: float = 1.0,
-                check_arithmetic: bool = False) -> Rule:
+def regime_rule(judge_max_budget: int = 0, weak_base_choice: str = "helper-first", calibration=None,
+                helper_margin: float = 1.0, check_arithmetic: bool = False) -> Rule:
     """The fitted rule: up to judge_max_budget the calibrated pick ("calibrated") or the helper's step first
     ("helper-first"), the base's step first above it (with the helper's step let in where it is rewarded more than
     helper_margin above), all inside the arithmetic check where it was fitted on."""

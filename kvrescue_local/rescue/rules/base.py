@@ -158,18 +158,18 @@ def read_rule(tokens: list[str], at: int) -> tuple[Rule, int]:
 def build(cls: type[Rule], positional: list[str], named: dict[str, str], parts: list[Rule]) -> Rule:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict = dict(zip(cls.rules, parts))
-    if len(positional) > len(cls.positional) and not (cls.positional and fields[cls.positional[0]].type.startswith("tuple")):
+    numbers = [k for k in cls.positional if fields[k].type.startswith("tuple")]  # one parameter of several numbers
+    if numbers:
+        if positional:
+            values[numbers[0]] = tuple(number(cls.name, numbers[0], x, float) for x in positional)
+    elif len(positional) > len(cls.positional):
         raise SpecError(f"{cls.name} takes {len(cls.positional) or 'no'} value{'s' * (len(cls.positional) != 1)} by "
                         f"position, not {', '.join(positional)}")
-    if cls.positional and fields[cls.positional[0]].type.startswith("tuple"):  # numbers by position, all of them
-        if positional:
-            values[cls.positional[0]] = tuple(number(cls.name, cls.positional[0], x, float) for x in positional)
     else:
-        for key, text in zip(cls.positional, positional):
-            values[key] = text
+        values.update(zip(cls.positional, positional))
     for key, text in named.items():
-        if key not in fields or key in cls.rules or fields[key].type.startswith("tuple"):
-            known = [k for k in fields if k not in cls.rules and not fields[k].type.startswith("tuple")]
+        if key not in fields or key in cls.rules or key in numbers:
+            known = [k for k in fields if k not in cls.rules and k not in numbers]
             raise SpecError(f"{cls.name} has no parameter {key!r}" + (f" (its parameters: {', '.join(known)})"
                                                                        if known else ""))
         if key in values:
