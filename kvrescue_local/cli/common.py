@@ -10,7 +10,7 @@ from ..bench.estimate import scaled
 from ..errors import KVRescueError
 from ..files import json_text, write_output
 from ..rescue import RescueConfig
-from ..rescue.rules import rules_help
+from ..rescue.rules import CHOICE_SPECS, rules_help
 from ..runtime.context import CACHE_TYPES
 from .options import MAX_THREADS, NON_NEGATIVE, POSITIVE, SEED, TEMPERATURE, THREADS, TOP_P, Finite, PromptTemplate
 
@@ -49,15 +49,12 @@ FITTED_FOR_HELP = ("DATASET: the preset's rule fitted for that dataset's problem
 
 # what the options that set a rule before rules were specs say in one
 OLD_RULE_OPTIONS = {
-    "--choice": lambda v: " --rule ".join(
-        {"prm": "judge", "random": "random", "base-first": "lead:base", "helper-first": "lead:helper",
-         "calibrated": "calibrated", "regime": "by-budget:BUDGET,judge,lead:base"}.get(x.strip(), "judge")
-        for x in str(v).split(",") if x.strip()),
+    "--choice": lambda v: " --rule ".join(CHOICE_SPECS.get(x.strip(), "judge") for x in str(v).split(",") if x.strip()),
     "--pick-margin": lambda v: f"judge:margin={v} (or lead:SIDE,pick={v})",
     "--helper-margin": lambda v: f"lead:base,margin={v}",
     "--base-margin": lambda v: f"lead:helper,margin={v}",
     "--judge-max-budget": lambda v: f"by-budget:{v},judge,lead:base",
-    "--weak-base-choice": lambda v: f"by-budget:BUDGET,{OLD_RULE_OPTIONS['--choice'](v)},lead:base",
+    "--weak-base-choice": lambda v: f"by-budget:BUDGET,{CHOICE_SPECS.get(v, 'judge')},lead:base",
     "--check-arithmetic": lambda v: "arith:RULE (e.g. arith:judge)" if v else "RULE without arith:",
 }
 

@@ -14,6 +14,7 @@ import click
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..cli.options import MODE, POLICY, POSITIVE, RULE, SEED, TEMPERATURE, TOP_P, checked
+from ..rescue.rules import CHOICE_SPECS
 
 EXTENSION = "kvrescue"  # the key of the extension field on chunks and choices: standard clients ignore it
 MAX_MESSAGES = 1024  # the problem is the last user message; a longer chat is no request this server answers
@@ -37,14 +38,10 @@ def unsupported(*neutral) -> AfterValidator:
     return AfterValidator(check)
 
 
-OLD_CHOICES = {"prm": "judge", "random": "random", "base-first": "lead:base", "helper-first": "lead:helper",
-               "calibrated": "calibrated", "regime": "by-budget:BUDGET,judge,lead:base"}
-
-
 def refuse_choice(value):
     if value is not None:
         raise ValueError(f"choice is gone: commit rules are specs now, send \"rule\": "
-                         f"\"{OLD_CHOICES.get(str(value), 'judge')}\" (docs/serving.md)")
+                         f"\"{CHOICE_SPECS.get(str(value), 'judge')}\" (docs/serving.md)")
     return value
 
 

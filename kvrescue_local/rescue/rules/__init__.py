@@ -11,4 +11,9 @@ from .drawn import Random
 from .judge import Judge
 from .lead import Lead
 
-__all__ = ["RULES", "Arith", "ByBudget", "Calibrated", "Judge", "Lead", "Random", "Rule", "parse_rule", "rules_help"]
+# the spec each value of `--choice` (and a request's "choice") said before rules were specs: their refusal names it
+CHOICE_SPECS = {"prm": "judge", "random": "random", "base-first": "lead:base", "helper-first": "lead:helper",
+                "calibrated": "calibrated", "regime": "by-budget:BUDGET,judge,lead:base"}
+
+__all__ = ["CHOICE_SPECS", "RULES", "Arith", "ByBudget", "Calibrated", "Judge", "Lead", "Random", "Rule", "parse_rule",
+           "rules_help"]
