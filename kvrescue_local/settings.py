@@ -11,12 +11,11 @@ import click
 from .errors import KVRescueError
 from .eviction import policy_specs
 from .rescue import MODES
-from .rescue.config import CHOICES
+from .rescue.rules import parse_rule
 
 SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 32-bit seed
 POSITIVE = click.IntRange(min=1)
 MODE = click.Choice(MODES)
-CHOICE = click.Choice(CHOICES)
 
 
 class Finite(click.ParamType):
@@ -85,6 +84,19 @@ class PolicySpecs(click.ParamType):
 
 
 POLICY = PolicySpecs(several=False)
+
+
+class RuleSpec(click.ParamType):
+    """A commit rule's spec (rescue/rules/base.py), checked and written back canonically: its error lists the
+    rules and their parameters."""
+
+    name = "rule"
+
+    def convert(self, value, param, ctx) -> str:
+        return parse_rule(str(value)).spec  # its KVRescueError is the command's one Error: line
+
+
+RULE = RuleSpec()
 
 
 def checked(kind: click.ParamType, value):

@@ -10,7 +10,7 @@ from ..bench.estimate import scaled
 from ..errors import KVRescueError
 from ..files import json_text, write_output
 from ..rescue import RescueConfig
-from ..rescue.config import WEAK_BASE_CHOICES
+from ..rescue.rules import CHOICE_SPECS, rules_help
 from ..runtime.context import CACHE_TYPES
 from ..settings import POSITIVE, SEED, TEMPERATURE, TOP_P, Finite
 from .options import MAX_THREADS, NON_NEGATIVE, THREADS, PromptTemplate
@@ -40,6 +40,43 @@ def cache_type_options(command):
     for option in reversed(CACHE_TYPE_OPTIONS):
         command = option(command)
     return command
+
+
+RULE_HELP = (f"how a round's winner is chosen among its survivors, a rule spec (docs/prm.md): {rules_help()} "
+             "[default: the preset's for the dataset, else judge]")
+
+FITTED_FOR_HELP = ("DATASET: the preset's rule fitted for that dataset's problems applies (bench run --dataset "
+                   "applies its own; a --data file's problems take the preset's default without it), e.g. gsm8k")
+
+# what the options that set a rule before rules were specs say in one
+OLD_RULE_OPTIONS = {
+    "--choice": lambda v: " --rule ".join(CHOICE_SPECS.get(x.strip(), "judge") for x in str(v).split(",") if x.strip()),
+    "--pick-margin": lambda v: f"judge:margin={v} (or lead:SIDE,pick={v})",
+    "--helper-margin": lambda v: f"lead:base,margin={v}",
+    "--base-margin": lambda v: f"lead:helper,margin={v}",
+    "--judge-max-budget": lambda v: f"by-budget:{v},judge,lead:base",
+    "--weak-base-choice": lambda v: f"by-budget:BUDGET,{CHOICE_SPECS.get(v, 'judge')},lead:base",
+    "--check-arithmetic": lambda v: "arith:RULE (e.g. arith:judge)" if v else "RULE without arith:",
+}
+
+
+def refuse_old_rule_option(ctx, param, value) -> None:
+    """An option of the rules before they were specs: one Error line naming the spec that says the same."""
+    if value is None or value == ():
+        return
+    option = "--check-arithmetic" if param.name == "check_arithmetic" else param.opts[0]
+    given = next(iter(value)) if isinstance(value, tuple) else value
+    shown = option if option != "--check-arithmetic" or given else "--no-check-arithmetic"
+    raise KVRescueError(f"{shown} is gone: commit rules are specs now, pass --rule {OLD_RULE_OPTIONS[option](given)} "
+                        "(docs/prm.md lists the rules)")
+
+
+REFUSED_RULE_OPTIONS = [
+    *(click.option(name, hidden=True, expose_value=False, callback=refuse_old_rule_option)
+      for name in OLD_RULE_OPTIONS if name != "--check-arithmetic"),
+    click.option("--check-arithmetic/--no-check-arithmetic", default=None, hidden=True, expose_value=False,
+                 callback=refuse_old_rule_option),
+]
 
 
 # Options left unset (None) take the preset's recipe, else RescueConfig's defaults (kvrescue_local/compose.py)
@@ -80,25 +117,7 @@ SEARCH_OPTIONS = [
     click.option("--max-tokens", type=POSITIVE, help=f"trajectory length cap {preset_default(DEFAULTS.max_tokens)}"),
     click.option("--max-steps", type=POSITIVE, help=preset_default(DEFAULTS.max_steps)),
     click.option("--max-step-tokens", type=POSITIVE, help=preset_default(DEFAULTS.max_step_tokens)),
-    click.option("--pick-margin", type=Finite(0, 1, high_open=True),
-                 help="the PRM's pick: the first survivor (the base's candidates, then the helper's) within this of the "
-                      f"best score {preset_default(DEFAULTS.pick_margin)}"),
-    click.option("--helper-margin", type=Finite(0, 1),
-                 help="--choice base-first: the helper's step is committed over the base's only when the PRM scores it "
-                      f"more than this higher, or no base candidate survives {preset_default(DEFAULTS.helper_margin)}"),
-    click.option("--base-margin", type=Finite(0, 1),
-                 help="--choice helper-first: the base's step is committed over the helper's only when the PRM scores it "
-                      f"more than this higher, or no helper candidate survives {preset_default(DEFAULTS.base_margin)}"),
-    click.option("--judge-max-budget", type=NON_NEGATIVE,
-                 help="--choice regime: the largest base budget at which --weak-base-choice commits; above it the "
-                      f"rule is base-first {preset_default(DEFAULTS.judge_max_budget)}"),
-    click.option("--weak-base-choice", type=click.Choice(WEAK_BASE_CHOICES),
-                 help="--choice regime: the rule up to --judge-max-budget, where the evicted base is the weaker writer "
-                      f"{preset_default(DEFAULTS.weak_base_choice)}"),
-    click.option("--check-arithmetic/--no-check-arithmetic", default=None,
-                 help="rounds with a choice set aside a candidate whose step states false arithmetic (\"15 × 0.08 = "
-                      "12\") while another states none; the rows' config key ends -arith "
-                      f"{preset_default(DEFAULTS.check_arithmetic)}"),
+    *REFUSED_RULE_OPTIONS,
     *detector_options("", "base", DEFAULTS.detector.tau_entropy, DEFAULTS.detector.tau_compression),
     *detector_options("helper-", "helper", DEFAULTS.helper_tau_entropy, DEFAULTS.helper_tau_compression,
                       " (0 and 0: the helper is not watched)"),

@@ -12,8 +12,8 @@ from ..eviction import POLICY_HELP
 from ..prm import PRMParams
 from ..rescue import Mode
 from ..rescue.limits import available_memory, check_concurrency_fits, check_kv_sizes, models_kv_memory
-from ..settings import CHOICE, MODE, POLICY, POSITIVE
-from .common import DEFAULTS, note, parse_size, preset_default, search_options
+from ..settings import MODE, POLICY, POSITIVE, RULE
+from .common import DEFAULTS, RULE_HELP, note, parse_size, preset_default, search_options
 from .options import NON_NEGATIVE, PORT, check_cache_fit, comma_items
 
 DEFAULT_PROMPT_TOKENS = 1024
@@ -109,7 +109,7 @@ def build_served(options: dict):
 @click.option("--max-budget", type=POSITIVE,
               help="the most budget a request may ask [default: the base's trained context]")
 @click.option("--policy", type=POLICY, help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
-@click.option("--choice", type=CHOICE, help=f"how a round's winner is chosen {preset_default(DEFAULTS.choice)}")
+@click.option("--rule", type=RULE, help=f"a request's default: {RULE_HELP}")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G: a request whose settings need more gets a 400 "
                                "[default: half of the available memory]")
 @click.option("--max-request-bytes", default="1M", show_default=True,
@@ -121,7 +121,7 @@ def build_served(options: dict):
 @search_options
 def serve(host, port, **options) -> None:
     """Serve the engine over an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics. A request's rescue settings (mode, n, budget, policy, choice) come as extra body fields;
+    /health, /metrics. A request's rescue settings (mode, n, budget, policy, rule) come as extra body fields;
     these options are their defaults."""
     uvicorn, _, _, create_app, _, _ = serve_stack()
     with listening_socket(host, port) as sock:

@@ -7,14 +7,13 @@ from pathlib import Path
 
 import click
 
-from ..compose import fit_defaults, model_facts, open_models, select_models
+from ..compose import fit_defaults, model_facts, open_models, rule_needs_judge, rule_note, select_models
 from ..eviction import POLICY_HELP
 from ..files import check_writable, read_utf8
 from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
-from ..rescue.config import CHOICES, SCORED_CHOICES
 from ..rescue.limits import available_memory, check_context_sizes, check_kv_sizes, check_problem, check_prompts_fit
-from ..settings import POSITIVE, PolicySpecs
-from .common import DEFAULTS, note, preset_default, search_options, write_json
+from ..settings import POSITIVE, RULE, PolicySpecs
+from .common import DEFAULTS, FITTED_FOR_HELP, RULE_HELP, note, preset_default, search_options, write_json
 from .options import check_cache_fit, check_prm_ctx
 
 
@@ -38,12 +37,8 @@ def show(step: Step) -> None:
 @click.option("-n", "--n", "n", type=POSITIVE, help=f"candidates per model per round {preset_default(DEFAULTS.n)}")
 @click.option("--budget", type=POSITIVE, help=f"base KV budget (entries kept) {preset_default(DEFAULTS.kv.budget)}")
 @click.option("--policy", type=PolicySpecs(several=False), help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
-@click.option("--choice", type=click.Choice(CHOICES),
-              help="how a round's winner is chosen: the PRM's favourite (prm), at random (seeded per round), the base's "
-                   "unless the helper's is better by --helper-margin (base-first), the helper's unless the base's is "
-                   "better by --base-margin (helper-first), the most probably right (calibrated), or --weak-base-choice "
-                   "up to --judge-max-budget and base-first above (regime); docs/prm.md "
-                   f"{preset_default(DEFAULTS.choice)}")
+@click.option("--rule", type=RULE, help=RULE_HELP)
+@click.option("--fitted-for", help=FITTED_FOR_HELP)
 @search_options
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, json_path, **options) -> None:
@@ -57,11 +52,10 @@ def solve(problem, problem_file, json_path, **options) -> None:
     where = "the PROBLEM argument" if problem is not None else f"--file {problem_file}"
     text = check_problem(problem if problem is not None else read_utf8(problem_file, "--file"), where)
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)
-    choice = options["choice"] or DEFAULTS.choice
-    selection = select_models(options, mode.uses_base, mode.uses_helper,
-                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and choice in SCORED_CHOICES,
-                              note=note)
-    config = selection.config(options)
+    # whether a PRM is needed is the rule's to say, and the rule may be the preset's: the preset's models load once
+    selection = select_models(options, mode.uses_base, mode.uses_helper, note=note,
+                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and rule_needs_judge(options))
+    config = selection.config(options, options["fitted_for"])
     check_prm_ctx(config, options["prm_ctx"])
     max_candidates = config.candidates_per_round if config.needs_prm else 1
     facts = model_facts(selection, config.uses_base, config.uses_helper, max_candidates)
@@ -73,6 +67,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
     check_cache_fit([config], models.base, models.helper)
     if models.base is not None:
         check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]), "--budget")
+    note(rule_note(selection, config.rule, options["rule"], options["fitted_for"], None))  # once all is checked
     engine = Rescue(config, models.base, models.helper, models.prm,
                     prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [text]))
     try:

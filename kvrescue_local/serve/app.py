@@ -81,7 +81,7 @@ class Served:
                                         f"may ask: ask for at most {most}, or restart the server with a larger {option}",
                                    param=field)
         kv = {k: v for k, v in (("budget", body.budget), ("policy", body.policy)) if v is not None}
-        fields = {k: v for k, v in (("mode", body.mode), ("n", body.n), ("choice", body.choice),
+        fields = {k: v for k, v in (("mode", body.mode), ("n", body.n), ("rule", body.rule),
                                     ("temperature", body.temperature), ("top_p", body.top_p),
                                     ("seed", body.seed)) if v is not None}
         try:

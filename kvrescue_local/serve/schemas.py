@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Union
 import click
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..settings import CHOICE, MODE, POLICY, POSITIVE, SEED, TEMPERATURE, TOP_P, checked
+from ..rescue.rules import CHOICE_SPECS
+from ..settings import MODE, POLICY, POSITIVE, RULE, SEED, TEMPERATURE, TOP_P, checked
 
 EXTENSION = "kvrescue"  # the key of the extension field on chunks and choices: standard clients ignore it
 MAX_MESSAGES = 1024  # the problem is the last user message; a longer chat is no request this server answers
@@ -37,6 +38,13 @@ def unsupported(*neutral) -> AfterValidator:
     return AfterValidator(check)
 
 
+def refuse_choice(value):
+    if value is not None:
+        raise ValueError(f"choice is gone: commit rules are specs now, send \"rule\": "
+                         f"\"{CHOICE_SPECS.get(str(value), 'judge')}\" (docs/serving.md)")
+    return value
+
+
 class RescueFields(BaseModel):
     """What every completion request may set; unknown fields are ignored, as OpenAI's own server does with
     fields it does not use (user, metadata, ...)."""
@@ -56,7 +64,9 @@ class RescueFields(BaseModel):
     n: Annotated[int | None, option(POSITIVE)] = None
     budget: Annotated[int | None, option(POSITIVE)] = None
     policy: Annotated[str | None, option(POLICY)] = None
-    choice: Annotated[str | None, option(CHOICE)] = None
+    rule: Annotated[str | None, option(RULE)] = None
+    # the field that named a rule before rules were specs: refused, naming the spec that says the same
+    choice: Annotated[Any, AfterValidator(refuse_choice)] = None
 
     def stops(self) -> list[str]:
         if self.stop is None:
