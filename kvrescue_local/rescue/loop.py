@@ -313,11 +313,11 @@ class Rescue:
         """Start a problem in `slot`; `own`: its settings when it has its own sampling (run's config_of)."""
         solving = Solving(item, slot, Trajectory(problem, (own or self.config).as_dict()), problem_key(problem),
                           time.perf_counter())
-        if own:
-            solving.sampling = sampling_of(own)
         prompt = self.config.prompt.format(problem=problem)
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
         try:  # a failure here is the problem's own: its slot ends at once, the others are not touched
+            if own:
+                solving.sampling = sampling_of(own)
             for gen in self.sides.values():
                 tokens = gen.model.tokenize(prompt)
                 if len(tokens) > self.prompt_tokens_max:
