@@ -105,7 +105,7 @@ class Configuration:
         self.flying = self.rescue.slots_in_flight()
 
     def handed(self):
-        """The requests handed to it, as its lanes' free slots take them (empty for now is not exhausted)."""
+        """The requests handed to it, one to each free slot of its lanes that asks (a new iterator every turn)."""
         while self.inbox:
             yield self.inbox.popleft()
 
