@@ -10,6 +10,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .. import gguf_header
 from ..errors import KVRescueError
@@ -30,24 +31,37 @@ def check_problem(text: str, where: str) -> str:
     return check_encodable(text, where, "pass the problem as UTF-8 text (convert it, e.g. with iconv)")
 
 
+def prompt_room(config: RescueConfig, model: Model | ModelFacts) -> int:
+    """The most prompt tokens (template included) a model holds: its trained context less one step of
+    --max-step-tokens, which must fit after the prompt; beyond it a model answers garbage, slowly."""
+    return model.n_ctx_train - config.max_step_tokens
+
+
+def check_prompt_room(config: RescueConfig, model: Model | ModelFacts, tokens: int, what: str,
+                      fix: Callable[[int], str]) -> None:
+    """`what` (a prompt of `tokens` tokens, or the cells reserved for one) within prompt_room; `fix(room)` says what
+    to do about it. solve's and bench's prompts, `serve --prompt-tokens` and each request's prompt share it."""
+    room = prompt_room(config, model)
+    if tokens > room:
+        raise KVRescueError(f"{what} {tokens:,} tokens with the prompt template, but {model.name} was trained on "
+                            f"{model.n_ctx_train:,} and one step of --max-step-tokens {config.max_step_tokens} must "
+                            f"fit after it: {fix(room)}")
+
+
 def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems: dict[str, str]) -> None:
-    """Each problem's prompt plus one step must fit in every model's trained context: beyond it a model
-    answers garbage, slowly."""
+    """Each problem's prompt plus one step must fit in every model's trained context (check_prompt_room)."""
     for model in (m for m in models if m is not None):
-        room = model.n_ctx_train - config.max_step_tokens
         for where, problem in problems.items():
             tokens = len(model.tokenize(config.prompt.format(problem=problem)))
-            if tokens > room:
-                trained = f"{where} takes {tokens:,} tokens with the prompt template, but {model.path.name} was " \
-                          f"trained on {model.n_ctx_train:,}"
+
+            def fix(room: int) -> str:
                 if room <= len(model.tokenize(config.prompt.format(problem=""))):
                     # not even the template fits beside one step: it is the step cap that leaves no room
-                    raise KVRescueError(f"{trained} and one step of --max-step-tokens {config.max_step_tokens} must "
-                                        f"fit after it: lower --max-step-tokens to at most "
-                                        f"{max(1, model.n_ctx_train - tokens):,}")
-                raise KVRescueError(
-                    f"{trained} and one step of {config.max_step_tokens} must fit after it: shorten it (to about "
-                    f"{len(problem) * room // tokens:,} characters) or use a model with a longer context")
+                    return f"lower --max-step-tokens to at most {max(1, model.n_ctx_train - tokens):,}"
+                return (f"shorten it (to about {len(problem) * room // tokens:,} characters) or use a model with a "
+                        "longer context")
+
+            check_prompt_room(config, model, tokens, f"{where} takes", fix)
 
 
 def padded(cells: int) -> int:

@@ -14,25 +14,28 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
 
 from ..cli.options import check_kv_sizes
 from ..errors import KVRescueError
 from ..rescue import RescueConfig
-from ..rescue.limits import GIB, check_problem
+from ..rescue.limits import GIB, check_problem, check_prompt_room
 from ..runtime import Model
-from .access import BodyLimit, RequestError, authorized, error_body
+from .access import ApiKey, BodyLimit, RequestError, error_body, unauthorized
 from .engine import Engine, Job, QueueFull
 from .schemas import EXTENSION, ChatRequest, CompletionRequest, RescueFields
 
 RETRY_AFTER_SECONDS = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its response; nobody receives it
-ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health and /metrics"
+ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health (/v1/health) and /metrics"
+HEALTH_PATHS = ("/health", "/v1/health")  # a liveness probe needs no key
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,13 @@ class Served:
             raise RequestError(400, str(exc), param=where) from None
         config = self.request_config(body)
         prompt = config.prompt.format(problem=problem)
-        prompt_tokens = max(len(m.tokenize(prompt)) for m in self.prompt_models)
+        counts = [(m, len(m.tokenize(prompt))) for m in self.prompt_models]
+        try:  # solve's check first: past a model's trained context no restart of the server can serve the prompt
+            for model, tokens in counts:
+                check_prompt_room(config, model, tokens, "the prompt is", lambda room: "shorten it")
+        except KVRescueError as exc:
+            raise RequestError(400, str(exc), param=where, code="context_length_exceeded") from None
+        prompt_tokens = max(tokens for _, tokens in counts)
         if prompt_tokens > self.engine.prompt_tokens_max:
             raise RequestError(400, f"the prompt is {prompt_tokens} tokens with the template, over the "
                                     f"{self.engine.prompt_tokens_max} this server reserves: shorten it or restart the "
@@ -157,7 +166,7 @@ async def events_while_connected(request: Request, job: Job):
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="kvrescue-local", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = served.engine.metrics
-    api = APIRouter(dependencies=[Depends(authorized(served.api_key))])  # all but /health
+    api = APIRouter()
 
     def refusal(request: Request, status: int, message: str, kind: str = "invalid_request_error",
                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -189,7 +198,8 @@ def create_app(served: Served) -> FastAPI:
         return refusal(request, exc.status_code, message.get(exc.status_code, str(exc.detail)),
                        headers=exc.headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/v1/health", methods=["GET", "HEAD"])  # where a client given the base URL .../v1 looks
     async def health():
         return {"status": "ok" if served.engine.thread.is_alive() else "engine stopped"}
 
@@ -287,6 +297,16 @@ def create_app(served: Served) -> FastAPI:
 
     app.include_router(api)
     app.add_middleware(BodyLimit, limit=served.limits.request_bytes)
+    if served.api_key is not None:
+        async def refuse_key(scope: Scope, receive: Receive, send: Send) -> None:
+            # counted by the route the request would have reached, as the app's own refusals are
+            scope["route"] = next((r for r in api.routes if r.matches(scope)[0] != Match.NONE), None)
+            request = Request(scope, receive)
+            error = unauthorized()
+            await refusal(request, error.status, error.message, error.kind, error.param, error.code)(scope, receive,
+                                                                                                       send)
+
+        app.add_middleware(ApiKey, api_key=served.api_key, open_paths=HEALTH_PATHS, refuse=refuse_key)
     if served.allowed_origins:  # outermost: a browser's preflight is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(served.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
