@@ -2,7 +2,10 @@
 
 import dataclasses
 import json
+import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -503,12 +506,17 @@ def committed_tokens(engine) -> int:
         return sum(job.tokens for job in engine.running)
 
 
+def endless_args(model) -> list[str]:
+    """A model that repeats one token never ends a trajectory by itself: only its client leaving ends a request
+    (or the server stopping)."""
+    return ["--base", str(model.path), "--helper", str(model.path), "--mode", "helper", "-n", "1", "-t", "1",
+            "--prompt-template", "{problem}", "--max-tokens", "4096", "--max-steps", "100000", "--max-step-tokens", "4",
+            "--concurrency", "2"]
+
+
 @pytest.fixture
 def endless_server(looping_model):
-    """A model that repeats one token never ends a trajectory by itself: only its client leaving ends a request."""
-    server = LoopbackServer(["--base", str(looping_model.path), "--helper", str(looping_model.path), "--mode",
-                             "helper", "-n", "1", "-t", "1", "--prompt-template", "{problem}", "--max-tokens",
-                             "4096", "--max-steps", "100000", "--max-step-tokens", "4", "--concurrency", "2"])
+    server = LoopbackServer(endless_args(looping_model))
     yield server
     server.close()
 
@@ -538,6 +546,57 @@ def test_a_client_killed_mid_request_frees_its_slot_without_streaming(endless_se
     server.wait_idle()
     assert server.metric("kvrescue_requests_cancelled_total") == 1
     assert 'kvrescue_responses_total{endpoint="/v1/completions",status="200"}' not in httpx.get(f"{server.url}/metrics").text
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_server_ends_each_request_and_exits(looping_model, stop_signal):
+    """SIGTERM or SIGINT with a stream and a whole response in flight: the stream gets an error event and [DONE],
+    the whole response a 503, and the process exits (a generous bound, a guard against a hang, not a speed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "kvrescue_local", "serve", "--port", str(port),
+                                *endless_args(looping_model)], stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert "serving" in next(line for line in process.stderr if "serving" in line or "Error" in line)
+        for _ in range(600):  # the socket is bound before "serving on", and listens once uvicorn has started
+            try:
+                httpx.get(f"{url}/health")
+                break
+            except httpx.ConnectError:
+                time.sleep(0.05)
+        streamed, whole = [], {}
+        started = threading.Event()
+
+        def read_stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "abc", "stream": True},
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        streamed.append(line.removeprefix("data:").strip())
+                        started.set()
+
+        readers = [threading.Thread(target=read_stream),
+                   threading.Thread(target=lambda: whole.update(r=httpx.post(f"{url}/v1/completions",
+                                                                             json={"prompt": "abc"}, timeout=60)))]
+        for reader in readers:
+            reader.start()
+        assert started.wait(60)
+        while not re.search(r"^kvrescue_requests_in_flight 2", httpx.get(f"{url}/metrics").text, re.M):
+            time.sleep(0.01)
+        process.send_signal(stop_signal)
+        process.wait(timeout=5)
+        for reader in readers:
+            reader.join(5)
+        assert streamed[-1] == "[DONE]" and "shutting down" in json.loads(streamed[-2])["error"]["message"]
+        assert json.loads(streamed[0])["choices"][0]["text"]
+        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["type"] == "server_error"
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        process.kill()
+        process.wait()
 
 
 @pytest.mark.realmodel

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import click
 
+from .. import interrupts
 from ..compose import model_facts, open_models, select_models
 from ..errors import KVRescueError
 from ..eviction import POLICY_HELP
@@ -19,20 +21,19 @@ from .options import (CHOICE, MODE, NON_NEGATIVE, POLICY, PORT, POSITIVE, check_
 
 DEFAULT_PROMPT_TOKENS = 1024
 API_KEY_VARIABLE = "KVRESCUE_API_KEY"
+ENGINE_STOP_SECONDS = 1.5  # how long a stopping server waits for the engine's round to end
 
 
 def serve_stack():
     """The serve extra's modules, or one line saying how to install them."""
     try:
-        import uvicorn
-
-        from ..serve.app import Limits, Served, create_app
+        from ..serve.app import Limits, Served, Server, create_app
         from ..serve.engine import Engine
         from ..serve.metrics import Metrics
     except ImportError as exc:
         raise KVRescueError(f"`serve` needs the serve extra ({exc.name} is missing): pip install "
                             "'kvrescue-local[serve]'") from None
-    return uvicorn, Limits, Served, create_app, Engine, Metrics
+    return Server, Limits, Served, create_app, Engine, Metrics
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -151,13 +152,17 @@ def serve(host, port, **options) -> None:
     """Serve the engine over an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics. A request's rescue settings (mode, n, budget, policy, choice) come as extra body fields;
     these options are their defaults."""
-    uvicorn, _, _, create_app, _, _ = serve_stack()
+    Server, _, _, create_app, _, _ = serve_stack()
     with listening_socket(host, port) as sock:
         served = build_served(options)
         served.engine.start()
         note(f"serving {served.model_id} on http://{host}:{port}/v1 ({options['concurrency']} at once, "
              f"{options['max_queue']} queued at most)")
         try:
-            uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning")).run(sockets=[sock])
-        finally:
-            served.engine.close()
+            Server(served, create_app(served)).run(sockets=[sock])
+        finally:  # SIGINT (SIGTERM ends the process as uvicorn returns): the requests are ended by now
+            if not served.engine.close(wait=ENGINE_STOP_SECONDS):
+                # the engine thread is inside a decode that nothing interrupts; freeing its models under it as
+                # Python exits could crash, so the process ends here, with Ctrl-C's status
+                note(f"the engine was still in a round after {ENGINE_STOP_SECONDS} s: stopped without waiting for it")
+                os._exit(interrupts.INTERRUPTED)

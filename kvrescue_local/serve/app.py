@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -29,10 +30,12 @@ from ..rescue import RescueConfig
 from ..rescue.limits import GIB, check_problem, check_prompt_room
 from ..runtime import Model
 from .access import ApiKey, BodyLimit, RequestError, error_body, unauthorized
-from .engine import Engine, Job, QueueFull
+from .engine import Engine, Job, QueueFull, ShuttingDown
 from .schemas import EXTENSION, ChatRequest, CompletionRequest, RescueFields
 
 RETRY_AFTER_SECONDS = 1
+SHUTDOWN_GRACE_SECONDS = 1.0  # what an open stream has to send its last events once the server is stopping
+GRACEFUL_SHUTDOWN_SECONDS = 2  # uvicorn cancels what still holds a connection after this
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its response; nobody receives it
 ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health (/v1/health) and /metrics"
 HEALTH_PATHS = ("/health", "/v1/health")  # a liveness probe needs no key
@@ -139,6 +142,20 @@ class Served:
         return Job(problem, config, body.token_limit or config.max_tokens, body.stops(), prompt_tokens, loop)
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, which as it shuts down (SIGINT, SIGTERM) first ends every request the engine holds: an open
+    stream gets an error event and [DONE], a whole response a 503, so that the connections close at once instead of
+    when their trajectories end."""
+
+    def __init__(self, served: Served, app: FastAPI) -> None:
+        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS))
+        self.served = served
+
+    async def shutdown(self, sockets=None) -> None:
+        self.served.engine.stop()
+        await super().shutdown(sockets)
+
+
 async def client_gone(request: Request) -> None:
     """Returns when the client has closed its connection. The body is read by then, so the server's next
     message for this request is its disconnect (sse-starlette watches a stream's the same way)."""
@@ -225,6 +242,8 @@ def create_app(served: Served) -> FastAPI:
             served.engine.submit(job)
         except QueueFull as exc:
             raise RequestError(429, str(exc), "rate_limit_exceeded") from None
+        except ShuttingDown as exc:
+            raise RequestError(503, str(exc), "server_error") from None
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": served.model_id}
@@ -236,7 +255,10 @@ def create_app(served: Served) -> FastAPI:
                 if kind == "error":  # an engine refusal before a stream's first step is still an HTTP error
                     raise RequestError(payload[0], payload[1], "server_error")
                 if body.stream:  # the stream sends this first event and watches its client itself from here on
-                    return EventSourceResponse(stream(job, (kind, payload), head, chat, path), ping=15)
+                    # at shutdown sse-starlette would cancel the stream at once: the grace lets its last events
+                    # (the engine's 503, then [DONE]) out first
+                    return EventSourceResponse(stream(job, (kind, payload), head, chat, path), ping=15,
+                                               shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
                 if kind == "done":
                     break
                 steps.append(payload)
@@ -261,9 +283,10 @@ def create_app(served: Served) -> FastAPI:
         try:
             while True:
                 kind, payload = event
-                if kind == "error":  # the stream has begun: the error comes as its last event
+                if kind == "error":  # the stream has begun: the error comes as its last event, before [DONE]
                     metrics.respond(path, payload[0])
                     yield json.dumps(error_body(payload[1], "server_error"))
+                    yield "[DONE]"
                     return
                 if kind == "step":
                     extension = {k: payload[k] for k in ("source", "score", "round")}
