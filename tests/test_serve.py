@@ -176,7 +176,7 @@ def test_start_refusals_are_one_error_line():
         refused = runner.invoke(main, ["serve", "--port", port, *args], env=env)
         errors = [line for line in refused.output.splitlines() if line.startswith("Error:")]
         assert refused.exit_code == 1 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
-        assert "serving on" not in refused.output
+        assert " on http://" not in refused.output  # the line "serving ID on http://..."
 
 
 def test_32_concurrent_streams_each_equal_solve_with_its_seed(toy_server, toy_solver):
@@ -431,7 +431,7 @@ def test_a_bad_port_or_one_in_use_is_one_error_line():
         holder.listen()
         port = holder.getsockname()[1]
         busy = runner.invoke(main, ["serve", "--port", str(port), "-t", "1"])
-    assert busy.exit_code == 1 and "serving on" not in busy.output and "Traceback" not in busy.output
+    assert busy.exit_code == 1 and " on http://" not in busy.output and "Traceback" not in busy.output
     errors = [line for line in busy.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
 
@@ -561,7 +561,7 @@ def test_a_stopped_server_ends_each_request_and_exits(looping_model, stop_signal
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "serving" in next(line for line in process.stderr if "serving" in line or "Error" in line)
-        for _ in range(600):  # the socket is bound before "serving on", and listens once uvicorn has started
+        for _ in range(600):  # the socket is bound before "serving ... on http://...", and listens once uvicorn has started
             try:
                 httpx.get(f"{url}/health")
                 break
