@@ -1,5 +1,6 @@
 """The request bodies of /v1/chat/completions and /v1/completions (OpenAI's fields, plus the rescue
-settings as extension fields) and the chunks and responses sent back.
+settings as extension fields) and the chunks and responses sent back; those of /tokenize and /detokenize
+(llama-server's fields).
 
 A field that an option of `serve` gives the default of is checked by that option's own click type
 (settings.py), so a request cannot ask what the command line refuses; the limits of the running server
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 import click
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 from ..rescue.rules import CHOICE_SPECS
 from ..settings import MODE, POLICY, POSITIVE, RULE, SEED, TEMPERATURE, TOP_P, checked
@@ -151,3 +153,21 @@ class CompletionRequest(RescueFields):
 
     def problem(self) -> str:
         return self.prompt
+
+
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize: `content` in the tokens of the model that reads prompts (Served.tokenizer). Strict
+    types: a number or a string where a flag belongs is the client's mistake, said back rather than guessed at."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    content: StrictStr
+    add_special: StrictBool = False  # the vocabulary's BOS/EOS, as llama-server; the server's prompts add none
+    parse_special: StrictBool = True  # control tokens written in the text (<|im_start|>) are one token each
+    with_pieces: StrictBool = False  # each token as {"id", "piece"}
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    tokens: list[StrictInt]
