@@ -157,17 +157,17 @@ def test_props_answer_the_limits_the_server_started_with(toy_server):
     assert props["default_generation_settings"]["params"]["n_predict"] == 320
     assert props["chat_template"] == served.config.prompt and "{problem}" in props["chat_template"]
     own = props["kvrescue"]
-    assert {k: own[k] for k in ("max_n", "max_budget", "max_tokens", "prompt_tokens", "concurrency", "max_queue",
-                                "max_request_bytes", "max_stops", "max_messages", "preset", "tokenizer")} == {
-        "max_n": 2, "max_budget": 1024, "max_tokens": 320, "prompt_tokens": 128, "concurrency": 32, "max_queue": 64,
-        "max_request_bytes": 2 ** 20, "max_stops": 4, "max_messages": MAX_MESSAGES, "preset": "toy", "tokenizer": "base"}
+    expected = {"max_n": 2, "max_budget": 1024, "max_tokens": 320, "prompt_tokens": 128, "concurrency": 32,
+                "max_queue": 64, "max_request_bytes": 2 ** 20, "max_stops": 4, "max_messages": MAX_MESSAGES,
+                "preset": "toy", "tokenizer": "base"}
+    assert {k: own[k] for k in expected} == expected
     assert own["memory_bytes"] == served.limits.memory
     assert own["settings"]["cache_type_k"] == own["settings"]["cache_type_v"] == "f32"
     assert own["settings"]["n"] == 2 and own["settings"]["kv"]["budget"] == served.config.kv.budget
     models = served.engine.models
+    loaded = (("base", models.base), ("helper", models.helper), ("prm", models.prm.model))
     assert own["models"] == {side: {"file": m.path.name, "fingerprint": file_hash(m.path), "n_ctx_train": 1024,
-                                    "n_vocab": m.n_vocab}
-                             for side, m in (("base", models.base), ("helper", models.helper), ("prm", models.prm.model))}
+                                    "n_vocab": m.n_vocab} for side, m in loaded}
     over = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": "a=1", "n": own["max_n"] + 1})
     assert over.status_code == 400 and f"-n {own['max_n']}" in over.json()["error"]["message"]
 
@@ -667,8 +667,8 @@ def test_an_api_key_and_cors_origins(monkeypatch):
             assert httpx.get(f"{server.url}{path}").status_code == httpx.head(f"{server.url}{path}").status_code == 200
         key = {"Authorization": "Bearer sekrit"}
         for prefix in ("", "/v1"):  # llama-server's routes ask for the key as the others do
-            for method, path, body in (("GET", "/props", None), ("GET", "/slots", None),
-                                       ("POST", "/tokenize", {"content": "a=1"}), ("POST", "/detokenize", {"tokens": [97]})):
+            for method, path, body in (("GET", "/props", None), ("GET", "/slots", None), ("POST", "/tokenize",
+                                       {"content": "a=1"}), ("POST", "/detokenize", {"tokens": [97]})):
                 url_of = f"{server.url}{prefix}{path}"
                 refused = httpx.request(method, url_of, json=body, headers=wrong_key)
                 assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", url_of

@@ -1,10 +1,10 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus
 /health and /metrics, and llama-server's /props (the server's limits and models), /tokenize, /detokenize and /slots
-(the requests in flight), each also under /v1/. A request passes the server's gates (its API key when the server has one, the size of its
-body: access.py), is checked whole in a worker thread (400: its fields against the server's limits, its prompt
-tokenized against the cells reserved), queued on the engine (429 when full) and answered from the events the
-engine thread sends: SSE chunks as steps are committed, or one response at the end. Every error is OpenAI's
-shape: {"error": {"message", "type", "param", "code"}}."""
+(the requests in flight), each also under /v1/. A request passes the server's gates (its API key when the server has
+one, the size of its body: access.py), is checked whole in a worker thread (400: its fields against the server's
+limits, its prompt tokenized against the cells reserved), queued on the engine (429 when full) and answered from the
+events the engine thread sends: SSE chunks as steps are committed, or one response at the end. Every error is
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ class Served:
 
     @staticmethod
     def refuse_content(count: str, model: Model) -> None:
-        raise RequestError(400, f"content is {count}, over the {model.n_ctx_train:,} positions {model.name} was trained "
-                                "on, which no request can hold: send a shorter text", param="content",
+        raise RequestError(400, f"content is {count}, over the {model.n_ctx_train:,} positions {model.name} was "
+                                "trained on, which no request can hold: send a shorter text", param="content",
                            code="context_length_exceeded")
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
