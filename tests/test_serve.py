@@ -748,8 +748,16 @@ def test_a_client_killed_mid_stream_frees_its_slot(endless_server):
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         assert server.metric("kvrescue_requests_in_flight") == 1
+        # a helper-mode server loads no base: its slot has no budget and no base cells, /tokenize reads the helper
+        (slot,) = httpx.get(f"{server.url}/slots").json()
+        assert slot["kvrescue"]["budget"] is None and slot["kvrescue"]["base_tokens"] == 0
+        assert slot["kvrescue"]["last_source"] in (None, "helper")
+        assert httpx.get(f"{server.url}/props").json()["kvrescue"]["tokenizer"] == "helper"
+        assert httpx.post(f"{server.url}/tokenize", json={"content": "abc"}).json()["tokens"] == \
+            server.served.engine.models.helper.tokenize("abc").tolist()
     server.wait_idle()
     assert server.metric("kvrescue_requests_cancelled_total") == 1
+    assert httpx.get(f"{server.url}/slots").json() == []
 
 
 def test_a_client_killed_mid_request_frees_its_slot_without_streaming(endless_server):
