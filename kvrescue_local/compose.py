@@ -26,44 +26,10 @@ from .rescue.limits import ModelFacts, RunModels
 from .runtime import Model
 from .runtime.model import check_gguf_file
 from .runtime.rpc import parse_endpoints
+from .settings import config_overrides
 
 PROMPT_METADATA = "kvrescue.prompt_template"
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "every layer"
-# command-line option -> RescueConfig field (("kv" | "detector", field) for the nested ones)
-OPTION_FIELDS = {
-    "mode": "mode", "n": "n", "budget": ("kv", "budget"), "policy": ("kv", "policy"), "buffer": ("kv", "buffer"),
-    "n_sink": ("kv", "n_sink"), "window": ("kv", "window"), "protect_prompt": ("kv", "protect_prompt"),
-    "tau_entropy": ("detector", "tau_entropy"), "tau_compression": ("detector", "tau_compression"),
-    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
-    "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
-    "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "choice": "choice",
-    "pick_margin": "pick_margin", "helper_margin": "helper_margin", "base_margin": "base_margin",
-    "judge_max_budget": "judge_max_budget", "weak_base_choice": "weak_base_choice",
-    "check_arithmetic": "check_arithmetic",
-    "helper_tau_entropy": "helper_tau_entropy", "helper_tau_compression": "helper_tau_compression",
-    "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
-    "cache_type_k_helper": "helper_cache_type_k", "cache_type_v_helper": "helper_cache_type_v",
-}
-# -ctk/-ctv set the helper's caches too, unless -ctkh/-ctvh set them
-HELPER_FOLLOWS = {"cache_type_k_helper": "cache_type_k", "cache_type_v_helper": "cache_type_v"}
-
-
-def option_overrides(options: dict) -> dict:
-    """The RescueConfig fields the command line sets (options left at None are not set)."""
-    out: dict = {}
-    for option, target in OPTION_FIELDS.items():
-        value = options.get(option)
-        if value is None and option in HELPER_FOLLOWS:
-            value = options.get(HELPER_FOLLOWS[option])
-        if value is None:
-            continue
-        if isinstance(target, tuple):
-            out.setdefault(target[0], {})[target[1]] = value
-        else:
-            out[target] = value
-    return out
-
-
 def preset_config(preset: Preset | None, dataset: str | None = None, **overrides) -> RescueConfig:
     """RescueConfig's defaults, then the preset's prompt and recipe (with what it holds for `dataset`'s problems laid
     over it), then `overrides` (fields; kv and detector as dicts)."""
@@ -93,7 +59,7 @@ class Selection:
     rpc_layers: int = ALL_LAYERS  # how many of them go there: -ngl where given, else every layer
 
     def config(self, options: dict, dataset: str | None = None, **overrides) -> RescueConfig:
-        return preset_config(self.preset, dataset, **merged(option_overrides(options), overrides))
+        return preset_config(self.preset, dataset, **merged(config_overrides(options), overrides))
 
     @property
     def head(self) -> Path | None:

@@ -17,9 +17,6 @@ from ..rescue import RescueConfig
 from ..runtime import Model
 from ..runtime.context import CACHE_TYPES, check_cache_blocks
 
-MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
-THREADS = click.IntRange(0, MAX_THREADS)
-NON_NEGATIVE = click.IntRange(min=0)
 PORT = click.IntRange(1, 65535)
 
 
@@ -99,31 +96,6 @@ class CacheTypeList(click.ParamType):
         if repeated:
             self.fail(f"{', '.join(repeated)} is given more than once: name each cache type once", param, ctx)
         return labels
-
-
-class PromptTemplate(click.ParamType):
-    """A prompt template: {problem} where the problem goes and no other field ({{ and }} for literal braces)."""
-
-    name = "template"
-
-    def convert(self, value, param, ctx) -> str:
-        try:  # it is written into every record: text that UTF-8 cannot encode is refused here, not after solving
-            check_encodable(value, repr(value), "pass the template as UTF-8 text")
-        except KVRescueError as exc:
-            self.fail(str(exc), param, ctx)
-        try:
-            fields = [(field, spec, conversion) for _, field, spec, conversion in string.Formatter().parse(value)
-                      if field is not None]
-        except ValueError as exc:
-            self.fail(f"{value!r} is not a template ({exc}): write {{{{ and }}}} for a literal brace", param, ctx)
-        others = sorted({"{" + field + "}" for field, spec, conversion in fields
-                         if (field, spec, conversion) != ("problem", "", None)})
-        if others:
-            self.fail(f"{value!r} holds {', '.join(others)}: the only field is {{problem}} (write {{{{ and }}}} for a "
-                      "literal brace)", param, ctx)
-        if not fields:
-            self.fail(f"{value!r} has no field: it must contain {{problem}} where the problem goes", param, ctx)
-        return value
 
 
 def check_prm_ctx(config: RescueConfig, prm_ctx: int) -> None:

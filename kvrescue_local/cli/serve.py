@@ -7,14 +7,13 @@ import socket
 import click
 
 from ..compose import open_models, select_models
-from ..errors import KVRescueError
-from ..eviction import POLICY_HELP
+from ..errors import KVRescueError, SettingError
 from ..prm import PRMParams
 from ..rescue import Mode
 from ..rescue.limits import available_memory, check_concurrency_fits, check_kv_sizes, models_kv_memory
-from ..settings import CHOICE, MODE, POLICY, POSITIVE
-from .common import DEFAULTS, note, parse_size, preset_default, search_options
-from .options import NON_NEGATIVE, PORT, check_cache_fit, comma_items
+from ..settings import NON_NEGATIVE, POSITIVE, command_line_name
+from .common import DEFAULTS, SettingsCommand, note, parse_size, search_options
+from .options import PORT, check_cache_fit, comma_items
 
 DEFAULT_PROMPT_TOKENS = 1024
 API_KEY_VARIABLE = "KVRESCUE_API_KEY"
@@ -76,7 +75,11 @@ def build_served(options: dict):
     if config.kv.budget > max_budget:
         raise KVRescueError(f"--budget {config.kv.budget} is over --max-budget {max_budget}, the most a request may "
                             "ask: lower --budget or raise --max-budget")
-    check_kv_sizes([config.with_overrides({"kv": {"budget": max_budget}})], models.base, 0, "--max-budget")
+    try:  # the largest budget a request may ask must fit the base as the server's own does
+        check_kv_sizes([config.with_overrides({"kv": {"budget": max_budget}})], models.base, 0)
+    except SettingError as exc:
+        raise KVRescueError(exc.worded(lambda field: "--max-budget" if field == "kv.budget" else
+                                       command_line_name(field))) from None
     memory = parse_size(options["memory"], "--memory") if options["memory"] else available_memory() // 2
 
     def kv_need(request_config, slots: int) -> int:
@@ -93,7 +96,7 @@ def build_served(options: dict):
                   api_key=options["api_key"] or None, allowed_origins=tuple(comma_items(options["allowed_origins"])))
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=PORT)
 @click.option("--concurrency", "-k", default=8, show_default=True, type=POSITIVE,
@@ -102,14 +105,8 @@ def build_served(options: dict):
               help="requests waiting for a slot beyond which the server answers 429")
 @click.option("--prompt-tokens", default=DEFAULT_PROMPT_TOKENS, show_default=True, type=POSITIVE,
               help="cells reserved for a request's prompt (template included); a longer prompt gets a 400")
-@click.option("--mode", type=MODE, help=f"a request's default {preset_default(DEFAULTS.mode)}")
-@click.option("-n", "--n", "n", type=POSITIVE,
-              help=f"candidates per model per round, the most a request may ask for {preset_default(DEFAULTS.n)}")
-@click.option("--budget", type=POSITIVE, help=f"base KV budget {preset_default(DEFAULTS.kv.budget)}")
 @click.option("--max-budget", type=POSITIVE,
               help="the most budget a request may ask [default: the base's trained context]")
-@click.option("--policy", type=POLICY, help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
-@click.option("--choice", type=CHOICE, help=f"how a round's winner is chosen {preset_default(DEFAULTS.choice)}")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G: a request whose settings need more gets a 400 "
                                "[default: half of the available memory]")
 @click.option("--max-request-bytes", default="1M", show_default=True,
@@ -118,7 +115,7 @@ def build_served(options: dict):
               help="answer only requests with `Authorization: Bearer KEY` (401 otherwise) [default: no key]")
 @click.option("--allowed-origins", default="*", show_default=True,
               help="comma-separated origins browsers may call the API from (CORS); '' for none")
-@search_options
+@search_options()
 def serve(host, port, **options) -> None:
     """Serve the engine over an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics. A request's rescue settings (mode, n, budget, policy, choice) come as extra body fields;

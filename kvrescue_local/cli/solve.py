@@ -8,13 +8,11 @@ from pathlib import Path
 import click
 
 from ..compose import model_facts, open_models, select_models
-from ..eviction import POLICY_HELP
 from ..files import check_writable, read_utf8
-from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
-from ..rescue.config import CHOICES, SCORED_CHOICES
+from ..rescue import Mode, Rescue, Step, longest_prompt
+from ..rescue.config import SCORED_CHOICES
 from ..rescue.limits import available_memory, check_context_sizes, check_kv_sizes, check_problem, check_prompts_fit
-from ..settings import POSITIVE, PolicySpecs
-from .common import DEFAULTS, note, preset_default, search_options, write_json
+from .common import DEFAULTS, SettingsCommand, note, search_options, write_json
 from .options import check_cache_fit, check_prm_ctx
 
 
@@ -30,21 +28,11 @@ def show(step: Step) -> None:
     click.echo(f"[{step.round + 1:3d}] {step.source:6s} {score} {killed}{set_aside}{one_line(step.text)}")
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.argument("problem", required=False)
 @click.option("--file", "problem_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="read the problem from a file")
-@click.option("--mode", type=click.Choice(MODES), help=preset_default(DEFAULTS.mode))
-@click.option("-n", "--n", "n", type=POSITIVE, help=f"candidates per model per round {preset_default(DEFAULTS.n)}")
-@click.option("--budget", type=POSITIVE, help=f"base KV budget (entries kept) {preset_default(DEFAULTS.kv.budget)}")
-@click.option("--policy", type=PolicySpecs(several=False), help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
-@click.option("--choice", type=click.Choice(CHOICES),
-              help="how a round's winner is chosen: the PRM's favourite (prm), at random (seeded per round), the base's "
-                   "unless the helper's is better by --helper-margin (base-first), the helper's unless the base's is "
-                   "better by --base-margin (helper-first), the most probably right (calibrated), or --weak-base-choice "
-                   "up to --judge-max-budget and base-first above (regime); docs/prm.md "
-                   f"{preset_default(DEFAULTS.choice)}")
-@search_options
+@search_options()
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, json_path, **options) -> None:
     """Solve one PROBLEM step by step, showing each committed step as it lands."""
@@ -71,7 +59,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
                                  before_prm=lambda config, models: check_prompts_fit(config, models, {where: text}))
     check_cache_fit([config], models.base, models.helper)
     if models.base is not None:
-        check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]), "--budget")
+        check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]))
     engine = Rescue(config, models.base, models.helper, models.prm,
                     prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [text]))
     try:
