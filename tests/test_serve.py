@@ -227,7 +227,7 @@ def test_a_request_whose_kv_caches_exceed_memory_is_refused(toy_server):
     server = LoopbackServer([*TOY_ARGS, "--memory", str((own + largest) // 2)], start_engine=False)
     try:
         response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a=1", "budget": served.limits.max_budget})
-        assert response.status_code == 400 and "--memory" in response.json()["error"]["message"]
+        assert response.status_code == 400 and "(its memory setting)" in response.json()["error"]["message"]
     finally:
         server.close()
     with pytest.raises(KVRescueError, match="--memory"):
@@ -242,7 +242,7 @@ def test_a_budget_that_cannot_hold_a_protected_prompt_is_refused():
         response = httpx.post(f"{server.url}/v1/completions",
                               json={"prompt": toy_dataset().problems[0].problem, "budget": 20})
         assert response.status_code == 400 and response.json()["error"]["param"] == "budget"
-        assert "--protect-prompt keeps the prompt's" in response.json()["error"]["message"]
+        assert "the server's protect-prompt keeps the prompt's" in response.json()["error"]["message"]
     finally:
         server.close()
 
