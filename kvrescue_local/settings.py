@@ -204,10 +204,10 @@ SETTINGS = (
     Setting("max_tokens", ("--max-tokens",), POSITIVE, "trajectory length cap (serve: the most a request may ask)",
             "common", request="max_tokens"),
     Setting("prompt", ("--prompt-template",), PromptTemplate(), "the chat prompt, with {problem} where the problem "
-            "goes", "common", json=str, name="prompt_template",
+            "goes", "common", json=str, name="prompt_template", values="text with {problem}",
             default="the model's (preset or GGUF metadata), else Qwen2.5-Math's"),
     Setting("kv.policy", ("--policy",), POLICY, POLICY_HELP, "eviction", request="policy", json=str,
-            axis="--policies"),
+            axis="--policies", values="a policy spec"),
     Setting("kv.buffer", ("--buffer",), POSITIVE, "entries added before each eviction", "eviction"),
     Setting("kv.n_sink", ("--n-sink",), NON_NEGATIVE, "first entries always kept", "eviction",
             default="the preset's, else the policy's: streaming 4, the others 0"),

@@ -109,7 +109,7 @@ def settings_reference() -> str:
     for group in GROUPS:
         for setting in (s for s in SETTINGS if s.group == group):
             flags = " ".join(f"`{flag}`" for flag in setting.flags)
-            request = f"`{setting.request}`" if setting.request else "(the server's)"
+            request = f"`{setting.request}`" if setting.request else "(not per request)"
             what = setting.help.replace("|", "\\|")
             lines.append(f"| {flags} | {request} | {range_text(setting)} | {setting.default_text} "
                          f"| {group}: {what} |")
