@@ -1,18 +1,14 @@
-"""The command line's one validation layer: every option value is checked as click parses it (a click type
+"""The kinds of value only the command line takes: every option value is checked as click parses it (a click type
 per kind of value), so a bad value ends in one `Error:` line before any model loads, and no value can reach
-llama.cpp in a form it asserts on (the kinds a served request's fields share live in settings.py). Sizes that depend on the run (the PRM's context against its batch, a budget
-against the base model's trained context) are checked as soon as what they depend on is known, before any
-context is made."""
+llama.cpp in a form it asserts on (the settings' kinds, which a served request's fields share, live in
+settings.py). Sizes that depend on the run (the PRM's context against its batch, a budget against the base model's
+trained context) are checked as soon as what they depend on is known, before any context is made."""
 
 from __future__ import annotations
-
-import os
-import string
 
 import click
 
 from ..errors import KVRescueError
-from ..files import check_encodable
 from ..rescue import RescueConfig
 from ..runtime import Model
 from ..runtime.context import CACHE_TYPES, check_cache_blocks
