@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import KVRescueError
-from .files import file_hash
+from .files import check_input_file, file_hash
 from .hub import resolve_gguf, resolve_prm
 from .paths import CACHE
 from .presets import HELPER, Preset, load_preset, preset_of
@@ -26,7 +26,7 @@ from .rescue.limits import ModelFacts, RunModels
 from .runtime import Model
 from .runtime.model import check_gguf_file
 from .runtime.rpc import parse_endpoints
-from .settings import config_overrides
+from .settings import BY_FIELD, config_overrides
 
 PROMPT_METADATA = "kvrescue.prompt_template"
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "every layer"
@@ -134,7 +134,23 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     source = preset if given[primary] is None else preset_of(primary, paths[primary])
     rpc = parse_endpoints(options["rpc"]) if options.get("rpc") else ()
     given_layers = options.get("n_gpu_layers")
-    return Selection(paths, source, rpc, ALL_LAYERS if given_layers is None else given_layers)
+    selection = Selection(paths, source, rpc, ALL_LAYERS if given_layers is None else given_layers)
+    check_model_files(selection, given)
+    return selection
+
+
+def check_model_files(selection: Selection, given: dict) -> None:
+    """Each model file of the run and the PRM's reward head a regular file, checked before anything reads them
+    (their headers, the head's arrays, llama.cpp's load): a FIFO would block each reader forever. A missing one
+    is left to the reader that opens it, which names the fix."""
+    for role in ("base", "helper", "prm"):
+        path = selection.paths[role]
+        if path is not None and path != HELPER:
+            check_input_file(path, f"--{role}" if given[role] else f"the preset's {role} model",
+                             "pass the path of a .gguf model file", missing_ok=True)
+    if selection.head is not None:
+        check_input_file(selection.head, "the PRM's reward head", "pass a .head.npz file (--prm PATH.gguf:HEAD.npz)",
+                         missing_ok=True)
 
 
 def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_candidates: int) -> RunModels:
@@ -145,6 +161,37 @@ def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_
     return RunModels(ModelFacts.read(paths["base"]) if needs_base else None,
                      ModelFacts.read(paths["helper"]) if needs_helper else None,
                      ModelFacts.read(paths["prm"]) if own_prm else None)
+
+
+# settings whose default a model may not honour (settings.SETTINGS' fields), and the models whose trained context
+# bounds each (the buffer only where the base evicts)
+TRAINED_BOUNDS = (("max_tokens", ("base", "helper")), ("max_step_tokens", ("base", "helper")), ("kv.buffer", ("base",)))
+
+
+def fit_defaults(config: RescueConfig, models: RunModels, options: dict,
+                 note: Callable[[str], None] = lambda text: None) -> RescueConfig:
+    """config with each setting the command line did not give that a model it uses cannot honour (RescueConfig's
+    defaults are sized for models of 4,096 positions; a preset's recipe for the preset's own models) lowered to that
+    model's trained context, saying so in one note. A value the command line gave is left for check_context_sizes
+    to refuse."""
+    given = config_overrides(options)
+    used = {"base": models.base if config.uses_base else None, "helper": models.helper if config.uses_helper else None}
+    lowered, said = [], []
+    for field, roles in TRAINED_BOUNDS:
+        group, _, name = field.rpartition(".")
+        value = getattr(getattr(config, group) if group else config, name)
+        is_given = name in (given.get(group, {}) if group else given)
+        bounds = [used[role] for role in roles if used[role] is not None and (not group or config.evicts)]
+        model = min(bounds, key=lambda m: m.n_ctx_train, default=None)
+        if is_given or model is None or value <= model.n_ctx_train:
+            continue
+        lowered.append({group: {name: model.n_ctx_train}} if group else {name: model.n_ctx_train})
+        said.append(f"{BY_FIELD[field].flag} {value:,} to {model.n_ctx_train:,}, the positions {model.name} was "
+                    "trained on")
+    if not lowered:
+        return config
+    note(f"lowered the default {'; '.join(said)} (give them to choose)")
+    return config.with_overrides(merged(*lowered))
 
 
 def open_model(selection: Selection, config: RescueConfig, path: Path) -> Model:

@@ -183,20 +183,24 @@ def results_target(path: str | Path, option: str = "--results") -> Path:
     return output_target(path, option, special=False)[0]
 
 
-def check_input_file(path: str | Path, what: str) -> Path:
-    """An input that exists and is a regular file: a device, FIFO or directory would be read endlessly or not
-    at all."""
+def check_input_file(path: str | Path, what: str, fix: str = "pass a regular file", missing_ok: bool = False) -> Path:
+    """An input that exists and is a regular file, checked before anything opens it (Python, numpy or llama.cpp):
+    a FIFO blocks its reader until some process writes to it, which may be never; a character device (/dev/zero)
+    never ends; a directory or a socket cannot be read. `what` names it (the option, where one gave it) and `fix`
+    ends the error line; missing_ok leaves a missing file to its reader, whose message names the fix."""
     path = Path(path)
     try:
         info = path.stat()
     except FileNotFoundError:
+        if missing_ok:
+            return path
         raise KVRescueError(f"{what} not found: {path}") from None
     except OSError as exc:
         raise KVRescueError(f"cannot read {what} {path} ({exc.strerror}): check the path and its permissions") from None
     if stat.S_ISDIR(info.st_mode):
         raise KVRescueError(f"{what} {path} is a directory: pass a file inside it")
     if not stat.S_ISREG(info.st_mode):
-        raise KVRescueError(f"{what} {path} is {kind_of(info.st_mode)}, not a regular file: pass a file")
+        raise KVRescueError(f"{what} {path} is {kind_of(info.st_mode)}, not a regular file: {fix}")
     return path
 
 
@@ -300,11 +304,13 @@ def check_appendable(path: str | Path, option: str) -> Path:
     """A file lines are appended to: refused where it is zstd-compressed (by its name or its first bytes), since
     appended text would corrupt it."""
     path = Path(path)
+    head = b""  # not there yet, not a regular file (a FIFO would block the read), unreadable: its writer says so
     try:
-        with path.open("rb") as f:
-            head = f.read(len(ZSTD_MAGIC))
+        if path.is_file():
+            with path.open("rb") as f:
+                head = f.read(len(ZSTD_MAGIC))
     except OSError:
-        head = b""  # not there yet, or not readable: the writer's own checks say so
+        pass
     if path.name.endswith(COMPRESSED_SUFFIX) or head == ZSTD_MAGIC:
         raise KVRescueError(f"{option} {path} is zstd-compressed, and rows are appended to plain text: make a plain "
                             f"copy (`kvrescue-local bench merge {path} --out NAME.jsonl`) and pass {option} NAME.jsonl")

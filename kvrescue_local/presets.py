@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KVRescueError
+from .files import check_input_file
 from .gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
 from .hub import HUB_PRESETS, HubModels, resolve_gguf, resolve_prm
 from .paths import CACHE, SHIPPED_MODELS
@@ -83,7 +84,8 @@ def tiny_preset(directory: Path = CACHE / "tiny") -> Preset:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(check_input_file(path, "preset file", "restore it from the repository", missing_ok=True)
+                          .read_text())
     except (OSError, ValueError) as exc:
         raise KVRescueError(f"{path} is unreadable ({exc}): restore it from the repository") from None
     if not isinstance(data, dict):
@@ -203,12 +205,16 @@ def load_preset(name: str, offline: bool | None = None) -> Preset:
 
 
 def preset_of(role: str, path: Path) -> Preset | None:
-    """The bundled preset whose `role` model is the file at `path`, or a quantization of it by `models quantize`
-    into the cache (its prompt and recipe apply), if any."""
-    from .quantize import is_copy_of
+    """The bundled preset whose `role` model is the file at `path` (its prompt and recipe apply), if any: that file
+    under any name, a copy of it (the same fingerprint, files.file_hash), or a quantization of it by `models
+    quantize` (the source it recorded, quantize.quantized_from, or the model cache's name for it)."""
+    from .files import file_hash
+    from .quantize import is_copy_of, quantized_from
 
+    path = Path(path)
+    identities = {file_hash(path), quantized_from(path)} if path.is_file() else set()
     for name in BUNDLED:
         own = SHIPPED_MODELS / name / f"{role}.gguf"
-        if own.exists() and (Path(path).resolve() == own.resolve() or is_copy_of(path, own)):
+        if own.exists() and (path.resolve() == own.resolve() or file_hash(own) in identities or is_copy_of(path, own)):
             return bundled_preset(name)
     return None

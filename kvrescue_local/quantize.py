@@ -4,11 +4,17 @@ The quantizer runs in a child process that reports each tensor it starts on stdo
 any failure leaves no output behind: it writes a temporary file beside the output, renamed over it only when the
 child succeeded (files.write_replacing). Outputs of `quantized()` land in the model cache, named by the source's
 stem, its fingerprint and the type, so one source is quantized once per type however many sweeps ask for it.
+
+Every output records its source beside it, in `<output>.source.json` ({"source", "source_sha256", "sha256",
+"type"}: the source's name and fingerprint, files.file_hash, and the output's own): a quantized copy of a
+preset's model, wherever it is moved with its record, takes that preset's prompt and recipe (presets.preset_of).
+The record holds the output's fingerprint, so a file replaced since is not taken for the copy.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import mmap
 import os
 import re
@@ -24,7 +30,7 @@ import gguf
 
 from . import gguf_header
 from .errors import KVRescueError
-from .files import check_input_file, file_hash, write_replacing
+from .files import check_input_file, check_writable, file_hash, write_output, write_replacing
 from .paths import CACHE
 
 # the types `models quantize --type` and `bench run --weight-types` take, as llama.cpp's llama-quantize names
@@ -107,6 +113,35 @@ def cached_path(src: Path, weight_type: str) -> Path:
     return QUANTIZED_DIR / f"{src.stem}-{file_hash(src)[:8]}-{weight_type}.gguf"
 
 
+def source_record(path: Path) -> Path:
+    """Where a quantized model's source is recorded: beside it."""
+    return path.with_name(path.name + ".source.json")
+
+
+def record_source(src: Path, out: Path, weight_type: str) -> None:
+
+    record = check_writable(source_record(out), "--out", special=False)
+    write_output(record, json.dumps({"source": src.name, "source_sha256": file_hash(src), "sha256": file_hash(out),
+                                     "type": weight_type}) + "\n", "--out")
+
+
+def quantized_from(path: Path) -> str | None:
+    """The fingerprint of the model `path` was quantized from, as `models quantize` recorded it beside it (None: no
+    record, an unreadable one, or a file changed since it was written)."""
+
+    record = source_record(Path(path))
+    try:
+        if not record.is_file():  # a FIFO or a device is never opened
+            return None
+        data = json.loads(record.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("sha256") != file_hash(Path(path)):
+        return None
+    source = data.get("source_sha256")
+    return source if isinstance(source, str) else None
+
+
 def is_copy_of(path: Path, src: Path) -> bool:
     """Whether path is what quantized() made of src (a preset's prompt and recipe apply to it as to src)."""
     path = Path(path)
@@ -161,6 +196,7 @@ def quantize(src: Path, out: Path, weight_type: str, allow_requantize: bool = Fa
                                                               f"status {status}")
             raise KVRescueError(f"llama.cpp could not quantize {src.name} to {weight_type} ({reason}): nothing "
                                 f"written")
+    record_source(src, out, weight_type)
     return out
 
 

@@ -19,6 +19,7 @@ from kvrescue_local.errors import KVRescueError
 from kvrescue_local.files import ZSTD_MAGIC
 from kvrescue_local.rescue.record import Trajectory
 from kvrescue_local.answers import last_boxed
+from test_reliability import one_error_line, sweep, sweep_args  # noqa: F401  (sweep: a fixture)
 from test_report import assert_one_line_error
 
 
@@ -223,3 +224,52 @@ def test_a_damaged_compressed_results_file_ends_in_one_error_line(tmp_path):
     damaged.write_bytes(COMMITTED.read_bytes()[:1000])
     for args in (["report", str(damaged)], ["bench", "merge", str(damaged), "--out", str(tmp_path / "out.jsonl")]):
         assert_one_line_error(CliRunner().invoke(main, args), f"{damaged} is a damaged zstd file")
+
+
+# --- rows read back: every field of its type, a cut last line left out alike ---------------------------------------
+
+def set_field(row: dict, dotted: str, value) -> dict:
+    *parents, name = dotted.split(".")
+    record = row
+    for parent in parents:
+        record = record[parent]
+    record[name] = value
+    return row
+
+
+@pytest.mark.parametrize("field, value", [("id", [1]), ("setup", "a setup"), ("setup", None), ("engine.concurrency", 0),
+                                          ("config.n", "2"), ("config.mode", "fast"), ("tokens.base", -1),
+                                          ("setup.models.base.size", None), ("trajectory.steps", {}),
+                                          ("trajectory.steps.0.candidates.0.tokens", 1.5), ("timings.total", float("nan"))],
+                         ids=lambda v: str(v)[:24])
+def test_a_malformed_row_is_one_error_line_naming_its_line_and_field(sweep, base_path, helper_path, tiny_prm_path,
+                                                                    tmp_path, field, value):
+    lines = sweep.read_text().splitlines()
+    row = json.loads(lines[1])
+    if field.startswith("trajectory.steps.0"):
+        row["trajectory"]["steps"][0]["candidates"][0]["tokens"] = value
+        field = "trajectory.steps[0].candidates[0].tokens"
+    else:
+        set_field(row, field, value)
+    results = tmp_path / "edited.jsonl"
+    results.write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    for args in (["report", str(results)], ["bench", "merge", str(results), "--out", str(tmp_path / "m.jsonl")],
+                 sweep_args(base_path, helper_path, tiny_prm_path, results, "--resume")):
+        error = one_error_line(CliRunner().invoke(main, args))
+        assert "edited.jsonl:2 is not a results line" in error and f"{field} is " in error, (args, error)
+
+
+def test_merge_and_report_leave_a_cut_last_line_out_alike_and_say_so(sweep, tmp_path):
+    lines = sweep.read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(lines[:5]) + lines[5][:150])
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(lines[:5]))
+    merged = CliRunner().invoke(main, ["bench", "merge", str(cut), "--out", str(tmp_path / "m.jsonl")])
+    assert merged.exit_code == 0 and "5 results" in merged.stdout, merged.output
+    assert merged.stderr.strip() == f"warning: left out {cut}:6, a partial last line (150 bytes: a writer stopped mid-line)"
+    assert (tmp_path / "m.jsonl").read_text() == whole.read_text()
+    reported = CliRunner().invoke(main, ["report", str(cut)])
+    assert reported.exit_code == 0, reported.output
+    assert reported.stderr == merged.stderr
+    assert reported.stdout == CliRunner().invoke(main, ["report", str(whole)]).stdout.replace(str(whole), str(cut))

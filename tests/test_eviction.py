@@ -1,5 +1,8 @@
 """KV budgets and eviction policies on the tiny models through llama.cpp."""
 
+import dataclasses
+import re
+
 import numpy as np
 import pytest
 from decoding import greedy_evictions
@@ -77,10 +80,31 @@ def test_policy_specs_set_options_and_refuse_bad_ones():
                           ("rkv:gamma=1", "policy rkv has no option 'gamma': its options are lam, kernel, similar"),
                           ("rkv:lam=high", r"rkv:lam='high' is not a float"),
                           ("rkv:kernel", "needs a value: write rkv:kernel=VALUE"),
-                          ("rkv:lam=2", "rkv needs 0 <= lam <= 1"),
+                          ("rkv:lam=2", "lam=2.0 is out of range: rkv's lam takes 0.0 to 1.0; write e.g. rkv:lam=0.07"),
                           ("streaming:kernel=3", "policy streaming has no option 'kernel': its options are none")]:
         with pytest.raises(KVRescueError, match=message):
             KVBudget(policy=spec)
+
+
+def test_every_numeric_policy_option_has_a_range_that_its_spec_is_held_to():
+    """A size that would drive a loop or an array (rkv:kernel=1000000000 pooled once per kernel step) is refused
+    when the spec is parsed: one line naming the option, its range and a value to write."""
+    checked = 0
+    for name, cls in POLICIES.items():
+        for option in dataclasses.fields(cls):
+            if type(option.default) not in (int, float):
+                continue
+            low, high = option.metadata["range"]
+            assert low <= option.default <= high, (name, option.name)
+            floats = ["1e300", "nan", "-inf"] if type(option.default) is float else []
+            extremes = ["1000000000", "-1000000000", *floats]
+            for text in extremes:
+                with pytest.raises(KVRescueError, match=re.escape(f"is out of range: {name}'s {option.name} takes "
+                                                                  f"{low:,} to {high:,}; write e.g. "
+                                                                  f"{name}:{option.name}={option.default}")):
+                    KVBudget(policy=f"{name}:{option.name}={text}")
+            checked += 1
+    assert checked == 4  # rkv's lam, kernel and similar, snapkv's kernel
 
 
 def test_a_list_of_specs_splits_where_a_new_policy_starts():
@@ -215,7 +239,7 @@ def test_a_prompt_longer_than_the_budget_is_compressed_once_read(base_model):
 
 def test_max_pool_takes_the_max_of_each_position_s_existing_neighbours():
     x = np.random.default_rng(3).normal(size=(2, 11))
-    for kernel in range(1, 14):
+    for kernel in [*range(1, 26), 10**9]:  # wider than the sequence: each entry takes the max of all
         left, right = kernel // 2, (kernel - 1) // 2
         expected = np.stack([x[:, max(0, i - left): i + right + 1].max(axis=-1) for i in range(11)], axis=-1)
         assert np.array_equal(max_pool(x, kernel), expected), kernel

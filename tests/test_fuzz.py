@@ -34,8 +34,14 @@ HUGE = ["100000000", "2147483648", "99999999999999999999"]
 HUGE_SIZES = ["infG", "1e400k", "nan", "1e30G", "-inf"]
 NULL_DATA = {"null.jsonl": '{"id": 1, "problem": null, "answer": "1"}', "nullanswer.jsonl": '{"problem": "a=1", "answer": null}',
              "emptyanswer.jsonl": '{"problem": "a=1", "answer": []}', "nananswer.jsonl": '{"problem": "a=1", "answer": NaN}',
-             "surrogate.jsonl": '{"id": "\\udc80", "problem": "a=1", "answer": "1"}'}
-REFUSED = {SURROGATE, *HUGE_SIZES, *NULL_DATA}  # a run given one of these ends in its Error: line
+             "surrogate.jsonl": '{"id": "\\udc80", "problem": "a=1", "answer": "1"}',
+             "blankanswer.jsonl": '{"problem": "a=1", "answer": " "}',
+             "hugeproblem.jsonl": json.dumps({"problem": "a=1 " * 100_000, "answer": "1"})}
+# a row of shard0.jsonl with one field (dotted path) of another type or out of range: each is refused where it is read
+MALFORMED_ROWS = {"listid.jsonl": ("id", [1]), "stringsetup.jsonl": ("setup", "a setup"), "nullsetup.jsonl": ("setup", None),
+                  "zeroconcurrency.jsonl": ("engine.concurrency", 0)}
+ANY_VALUE = [None, True, 0, -1, 2.5, 1e300, "", "x", [], [1], {}, {"a": 1}]
+REFUSED = {SURROGATE, *HUGE_SIZES, *NULL_DATA, *MALFORMED_ROWS}  # a run given one of these ends in its Error: line
 PROBLEMS = ["a=8 b=6 c=5", "a=3 b=1", "", "  \n", "ü ∑ 😀 {problem} {", "x" * 3000, SURROGATE, "a=1 " * 100_000]
 TEMPLATES = ["<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n", "{problem}", "x {problem} {foo}",
              "{problem} {", "no field", "{{literal}} {problem}", "{problem!r}", "{0}"]
@@ -155,6 +161,8 @@ def inputs(server, tmp_path_factory):
     (folder / "link.json").symlink_to("other.txt")
     for name, line in NULL_DATA.items():
         (folder / name).write_text(line + "\n")
+    for name, (field, value) in MALFORMED_ROWS.items():
+        (folder / name).write_text(edited_rows(folder / "shard0.jsonl", field.split("."), value))
     from kvrescue_local.prm.head import RewardHead
 
     toy = Path(__file__).resolve().parent.parent / "models" / "toy"
@@ -165,6 +173,27 @@ def inputs(server, tmp_path_factory):
         (folder / name / "prm.gguf").symlink_to(toy / "prm.gguf")
         head.save(folder / name / "prm.head.npz")
     return folder
+
+
+def edited_rows(results: Path, path: list, value) -> str:
+    """The rows of results with the field at path (keys and list indices) of its first row set to value."""
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    record = rows[0]
+    for key in path[:-1]:
+        record = record[key]
+    record[path[-1]] = value
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def field_paths(value, prefix: tuple = ()) -> list[tuple]:
+    """Every field of a JSON value, as paths of keys and list indices (a list's first item stands for all)."""
+    out = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            out += field_paths(item, (*prefix, key))
+    elif isinstance(value, list) and value:
+        out += field_paths(value[0], (*prefix, 0))
+    return out
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -332,12 +361,103 @@ CLASSES = {**{f"data-{name}": [*RUN_TOY, "--data", name, "--results", "r.jsonl"]
            "huge-problem": ["solve", *FAST, PROBLEMS[-1]],
            "inf-memory": [*RUN_TOY, "--memory", "1e400k", "--results", "r.jsonl"],
            "inf-kv-cap": ["report", "--kv-cap", "infG", "shard0.jsonl"],
-           "inf-contexts": ["estimate", "--contexts", "infk"]}
+           "inf-contexts": ["estimate", "--contexts", "infk"],
+           **{f"{command}-{name}": args for name in MALFORMED_ROWS for command, args in (
+               ("report", ["report", name]), ("merge", ["bench", "merge", name, "--out", "m.jsonl"]),
+               ("resume", ["bench", "run", "--dataset", "toy", "--limit", "2", "--modes", "full,bon", "--ns", "1,2", *FAST,
+                           "--resume", "--results", name]))}}
 
 
 @pytest.mark.parametrize("args", CLASSES.values(), ids=CLASSES.keys())
 def test_each_class_of_bad_value_ends_in_one_error_line(server, inputs, tmp_path_factory, args):
     assert check(server, inputs, tmp_path_factory, args, named_outputs(args))["status"] != "rc 0", args
+
+
+def test_malformed_result_rows_end_in_a_result_or_one_error_line(server, inputs, tmp_path_factory):
+    """Any field of a row (types, ranges) of any JSON type, read by `report`, `bench merge` and `--resume`."""
+    paths = field_paths(json.loads((inputs / "shard0.jsonl").read_text().splitlines()[0]))
+    commands = [["report", "edited.jsonl"], ["bench", "merge", "edited.jsonl", "shard1.jsonl", "--out", "m.jsonl"],
+                ["bench", "run", "--dataset", "toy", "--limit", "2", "--modes", "full,bon", "--ns", "1,2", *FAST,
+                 "--resume", "--results", "edited.jsonl"]]
+
+    @settings(RUN, max_examples=3 * EXAMPLES)
+    @given(st.sampled_from(paths), st.sampled_from(ANY_VALUE), st.sampled_from(commands))
+    def one(path, value, args):
+        def edit(work: Path) -> None:
+            (work / "edited.jsonl").write_text(edited_rows(work / "shard0.jsonl", list(path), value))
+
+        check(server, inputs, tmp_path_factory, args, named_outputs(args), prepare=edit)
+
+    one()
+
+
+def extreme_sizes() -> dict[str, list[str]]:
+    """Every numeric option of every registered policy and every size of the budget, huge and negative: a size
+    that drives a loop or an allocation (rkv:kernel=1000000000 once pooled for hours) is refused as it is read."""
+    import dataclasses
+
+    from kvrescue_local.eviction import POLICIES
+
+    solve = ["solve", *FAST, "-n", "2", "--budget", "48"]
+    out = {}
+    for name, policy in sorted(POLICIES.items()):
+        for option in dataclasses.fields(policy):
+            if type(option.default) in (int, float):
+                for value in (HUGE[0], "-" + HUGE[0]):
+                    out[f"{name}:{option.name}={value}"] = [*solve, "--policy", f"{name}:{option.name}={value}",
+                                                            PROBLEMS[0]]
+    for option in ("--budget", "--buffer", "--window", "--n-sink"):
+        for value in (HUGE[2], "-1"):
+            out[f"{option}={value}"] = [*solve, option, value, PROBLEMS[0]]
+    return out
+
+
+EXTREME_SIZES = extreme_sizes()
+
+
+@pytest.mark.parametrize("args", EXTREME_SIZES.values(), ids=EXTREME_SIZES.keys())
+def test_a_policy_or_budget_size_at_an_extreme_ends_in_one_error_line(server, inputs, tmp_path_factory, args):
+    assert check(server, inputs, tmp_path_factory, args, named_outputs(args))["status"] != "rc 0", args
+
+
+TOY_MODELS = Path(__file__).resolve().parent.parent / "models" / "toy"
+# every input path a command reads, {} where the special file goes (a head's name ends in .npz)
+INPUT_PATHS = {
+    "solve --base": ["solve", *FAST, "--base", "{}", PROBLEMS[0]],
+    "solve --helper": ["solve", *FAST, "--helper", "{}", PROBLEMS[0]],
+    "solve --prm": ["solve", *FAST, "-n", "2", "--prm", "{}", PROBLEMS[0]],
+    "solve --prm head": ["solve", *FAST, "-n", "2", "--prm", f"{TOY_MODELS / 'prm.gguf'}:{{}}.npz", PROBLEMS[0]],
+    "bench run --bases": [*RUN_TOY, "--bases", "{}", "--results", "r.jsonl"],
+    "bench run --data": ["bench", "run", "--data", "{}", *FAST, "--results", "r.jsonl"],
+    "bench run --resume": [*RUN_TOY, "--resume", "--results", "{}"],
+    "serve --base": ["serve", "--preset", "toy", "-t", "1", "--base", "{}"],
+    "report": ["report", "{}"],
+    "report --html": ["report", "--html", "{}", "--out", "page.html"],
+    "bench merge": ["bench", "merge", "shard0.jsonl", "{}", "--out", "m.jsonl"],
+    "prm train --rollouts": ["prm", "train", "--preset", "toy", "--rollouts", "{}", "--out", "h.head.npz"],
+    "prm train --helper": ["prm", "train", "--preset", "toy", "--helper", "{}", "--out", "h.head.npz"],
+    "estimate --base": ["estimate", "--base", "{}"],
+}
+MODEL_INPUTS = ["solve --base", "solve --helper", "solve --prm", "solve --prm head", "bench run --bases", "serve --base"]
+SPECIAL_INPUTS = {f"{case} {kind}": [kind if a == "{}" else a.replace("{}", kind) for a in INPUT_PATHS[case]]
+                  for case in INPUT_PATHS for kind in ("fifo", *(["zero", "adir"] if case in MODEL_INPUTS else []))}
+
+
+def special_inputs(work: Path) -> None:
+    """The FIFO, a character device and a folder under the names a head takes too (NAME.npz)."""
+    os.mkfifo(work / "fifo.npz")
+    (work / "zero").symlink_to("/dev/zero")
+    (work / "zero.npz").symlink_to("/dev/zero")
+    (work / "adir.npz").mkdir()
+
+
+@pytest.mark.parametrize("args", SPECIAL_INPUTS.values(), ids=SPECIAL_INPUTS.keys())
+def test_a_special_file_as_any_input_is_one_error_line(server, inputs, tmp_path_factory, args):
+    """A FIFO given as a model, head, data, results or trajectory file once blocked its reader forever; a
+    device or folder is refused as well, before anything reads it."""
+    done = check(server, inputs, tmp_path_factory, args, named_outputs(args), prepare=special_inputs)
+    refused = "not a regular file" in done["output"] or "is a directory" in done["output"]
+    assert done["status"] != "rc 0" and refused, f"{args}\n{done['output'][-2000:]}"
 
 
 # === files by identity: concurrent writers, an output naming an input, special files ===================

@@ -180,6 +180,42 @@ def test_a_results_path_that_is_a_device_is_refused(tmp_path):
     assert "not a regular file" in one_error_line(invoke("bench", "merge", zero, "--out", tmp_path / "m.jsonl"))
 
 
+# each command that reads a model or head, with {} where the FIFO goes, and what its error says: `solve`, `bench
+# run` and `serve` once blocked forever opening it (reading its GGUF header, then in llama.cpp's load)
+FIFO_MODELS = {"--base": ["solve", *FAST, "--base", "{}", PROBLEM],
+               "--helper": ["bench", "run", "--dataset", "toy", "--limit", "1", *FAST, "--helper", "{}",
+                            "--results", "r.jsonl"],
+               "--prm": ["serve", "--preset", "toy", "-t", "1", "-n", "2", "--prm", "{}"],
+               "reward head": ["solve", *FAST, "-n", "2", "--prm", f"{TOY / 'prm.gguf'}:{{}}", PROBLEM],
+               "--bases": ["bench", "run", "--dataset", "toy", "--limit", "1", *FAST, "--bases", "{}",
+                           "--results", "r.jsonl"],
+               "": ["doctor", "--load-on", "CPU", "--model", "{}"]}  # straight to llama.cpp's load: no option named
+RUN_EACH = """import json, sys
+from click.testing import CliRunner
+from kvrescue_local.cli import main
+for args in json.loads(sys.argv[1]):
+    print(json.dumps(CliRunner().invoke(main, args).output), flush=True)
+"""
+
+
+def test_a_fifo_as_a_model_or_head_is_one_error_line_not_a_hang(tmp_path):
+    """Every command in one child (one start-up), killed if it blocks: a FIFO is refused before it is opened."""
+    fifo = tmp_path / "model.head.npz"
+    os.mkfifo(fifo)
+    runs = [[str(fifo) if a == "{}" else a.replace("{}", str(fifo)) for a in args] for args in FIFO_MODELS.values()]
+    try:
+        done = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(runs)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "KVRESCUE_THREADS": "1"})
+    except subprocess.TimeoutExpired as hung:
+        answered = (hung.stdout or b"").count(b"\n")
+        pytest.fail(f"blocked on the FIFO: {runs[answered]}")
+    outputs = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(outputs) == len(runs), done.stderr
+    for option, output in zip(FIFO_MODELS, outputs):
+        errors = [line for line in output.splitlines() if line.startswith("Error:")]
+        said = f"{option} {fifo} is a FIFO, not a regular file: pass" if option else f"{fifo} is not a regular file"
+        assert len(errors) == 1 and said in errors[0], output
+
 # --- 5. sizes llama.cpp asserts on ------------------------------------------------------------------
 
 @pytest.mark.parametrize("prm_ctx", ["1", "5", "16", "64", "-1"])
@@ -351,3 +387,33 @@ def test_a_protected_prompt_that_fills_the_budget_is_refused_before_solving(tmp_
     assert not (tmp_path / "r.jsonl").exists()
     roomy = invoke("solve", *FAST, "--protect-prompt", "--budget", 200, PROBLEM)
     assert roomy.exit_code == 0, roomy.output
+
+
+# --- a copy of a preset's model takes its recipe; another model's defaults are lowered to what it holds -------------
+
+def test_a_copy_of_the_presets_base_and_its_quantized_copy_take_the_presets_recipe(tmp_path):
+    copy = tmp_path / "base.gguf"
+    copy.write_bytes((TOY / "base.gguf").read_bytes())
+    quantized = invoke("models", "quantize", copy, "--type", "Q8_0", "--out", tmp_path / "q8.gguf")
+    assert quantized.exit_code == 0, quantized.output
+    recorded = json.loads((tmp_path / "q8.gguf.source.json").read_text())
+    assert recorded["source"] == "base.gguf" and recorded["type"] == "Q8_0"
+    for base in (copy, tmp_path / "q8.gguf"):  # --max-tokens etc. are the preset's (320), not RescueConfig's (4096)
+        solved = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--base", base, PROBLEM)
+        assert solved.exit_code == 0 and "answer: " in solved.output and "lowered" not in solved.output, solved.output
+
+
+def test_another_models_defaults_are_lowered_to_its_trained_context_and_only_a_given_value_is_refused(tmp_path):
+    from kvrescue_local.gguf_export import TINY_BASE, write_tiny_model
+
+    short = write_tiny_model(tmp_path / "short.gguf", dataclasses.replace(TINY_BASE, n_ctx_train=1024), seed=1)
+    solved = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--base", short, PROBLEM)
+    assert solved.exit_code == 0 and "answer: " in solved.output, solved.output
+    assert ("lowered the default --max-tokens 4,096 to 1,024, the positions short.gguf was trained on (give them to "
+            "choose)") in solved.stderr
+    given = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--max-tokens", 4096, "--base", short, PROBLEM)
+    assert "--max-tokens 4096 exceeds the 1,024 positions short.gguf was trained on" in one_error_line(given)
+    (tmp_path / "q8.gguf").write_bytes(short.read_bytes())  # a record that names another file's fingerprint
+    (tmp_path / "q8.gguf.source.json").write_text(json.dumps({"source_sha256": "x", "sha256": "stale"}))
+    stale = invoke("solve", "--mode", "full", "-n", "1", "-t", "1", "--base", tmp_path / "q8.gguf", PROBLEM)
+    assert stale.exit_code == 0 and "lowered the default --max-tokens" in stale.stderr, stale.output

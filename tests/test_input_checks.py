@@ -28,11 +28,28 @@ def data_file(tmp_path, *rows: str):
                                         ('{"id": 2, "problem": "1+2", "answer": null}', "answer"),
                                         ('{"id": 2, "problem": "1+2", "answer": []}', "answer"),
                                         ('{"id": null, "problem": "1+2", "answer": "3"}', "id"),
-                                        ('{"id": 2, "problem": ["1+2"], "answer": "3"}', "problem")])
+                                        ('{"id": 2, "problem": ["1+2"], "answer": "3"}', "problem"),
+                                        ('{"id": 2, "problem": "1+2", "answer": ""}', "answer"),
+                                        ('{"id": 2, "problem": "1+2", "answer": " \\n "}', "answer"),
+                                        ('{"id": 2, "problem": "1+2", "answer": ["  "]}', "answer")])
 def test_a_null_or_empty_field_is_refused_naming_its_line(tmp_path, row, field):
     data = data_file(tmp_path, '{"id": 1, "problem": "1+1", "answer": "2"}', row)
     message = one_error_line(invoke("bench", "run", "--data", data, *FAST, "--results", tmp_path / "r.jsonl"))
     assert f"data.jsonl:2: the {field!r} field" in message and not (tmp_path / "r.jsonl").exists()
+
+
+def test_a_problem_longer_than_any_context_holds_is_refused_from_its_length_before_tokenizing(tmp_path, monkeypatch):
+    from kvrescue_local.runtime import Model
+
+    tokenized = []
+    tokenize = Model.tokenize
+    monkeypatch.setattr(Model, "tokenize", lambda self, text, special=True: tokenized.append(len(text)) or
+                        tokenize(self, text, special))
+    data = data_file(tmp_path, '{"id": 1, "problem": "1+1", "answer": "2"}',
+                     '{"id": 2, "problem": "%s", "answer": "3"}' % ("a=1 " * 250_000))
+    message = one_error_line(invoke("bench", "run", "--data", data, *FAST, "--results", tmp_path / "r.jsonl"))
+    assert "data problem 2 takes at least 76,927 tokens (1,000,050 bytes, at most 13 a token)" in message, message
+    assert tokenized and max(tokenized) < 100_000, "the long problem was tokenized"
 
 
 def test_numbers_and_answer_lists_are_still_read_as_text(tmp_path):

@@ -315,7 +315,7 @@ def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_ran(tmp_
     settings = {"prompt_sha256": "p", "settings": {"max_tokens": 768, "seed": 0}}
     for row in rows:  # as a sweep records them: the helper's rows name other models than the base's
         model = "helper.gguf" if row["config"]["mode"] == "helper" else "base.gguf"
-        row["setup"] = {"models": {"m": {"file": model}}, **settings}
+        row["setup"] = {"models": {"m": {"file": model, "size": 1, "sha256": model}}, **settings}
     (oracle,) = oracles(load_results(write_jsonl(tmp_path / "r.jsonl", rows)))
     assert (oracle.problems, oracle.bon_pass1, oracle.full_pass1) == (3, pytest.approx(100 / 3), 100.0)
     assert oracle.oracle_pass1 == pytest.approx(200 / 3) and oracle.gap_closed == pytest.approx(50.0)
@@ -591,13 +591,16 @@ def test_bad_input_errors(tmp_path):
     assert_one_line_error(invoke("report", tmp_path / "bad.jsonl"), "bad.jsonl:3 is not JSON", "remove that line")
     partial = {k: v for k, v in SYNTHETIC[0].items() if k not in ("timings", "correct")}
     (tmp_path / "partial.jsonl").write_text(good + "\n" + json.dumps(partial) + "\n")
-    assert_one_line_error(invoke("report", tmp_path / "partial.jsonl"), "partial.jsonl:2 misses correct, timings")
+    assert_one_line_error(invoke("report", tmp_path / "partial.jsonl"), "partial.jsonl:2 is not a results line",
+                          "misses correct, timings")
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
-    assert_one_line_error(invoke("report", tmp_path / "list.jsonl"), "list.jsonl:1 is not a JSON object")
+    assert_one_line_error(invoke("report", tmp_path / "list.jsonl"), "list.jsonl:1 is not a results line",
+                          "the line is [1, 2], not an object")
     broken = json.loads(good)
     broken["timings"]["total"] = "fast"
     (tmp_path / "nan.jsonl").write_text(json.dumps(broken) + "\n")
-    assert_one_line_error(invoke("report", tmp_path / "nan.jsonl"), "nan.jsonl:1: timings.total is 'fast'")
+    assert_one_line_error(invoke("report", tmp_path / "nan.jsonl"), "nan.jsonl:1 is not a results line",
+                          'timings.total is "fast", not a finite number >= 0')
     (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
     assert_one_line_error(invoke("report", tmp_path / "bin.jsonl"), "not UTF-8")
     results = write_jsonl(tmp_path / "ok.jsonl", SYNTHETIC)

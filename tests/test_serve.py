@@ -133,7 +133,8 @@ def test_32_concurrent_streams_each_equal_solve_with_its_seed(toy_server, toy_so
         refused[name] = httpx.post(f"{toy_server.url}/v1/completions", json=body, timeout=120)
 
     bad = {"seed": {"seed": -1, "choice": "random"}, "budget": {"budget": 10 ** 12}, "n": {"n": 3},
-           "body": {"prompt": "a" * 10_000_000}}
+           "body": {"prompt": "a" * 10_000_000}, "rkv kernel": {"policy": "rkv:kernel=1000000000"},
+           "snapkv kernel": {"policy": "snapkv:kernel=1000000000"}}  # a pooling loop per kernel step once stalled all
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
     threads += [threading.Thread(target=refuse, args=(name, {"prompt": problems[0], **body})) for name, body in bad.items()]
     for t in threads:
@@ -207,7 +208,8 @@ def test_errors_are_openai_bodies_and_leave_nothing_in_the_engine(toy_server):
 @pytest.mark.parametrize(("option", "field", "value"), [
     ("--seed", "seed", -1), ("--seed", "seed", 2 ** 32), ("--temp", "temperature", -0.5), ("--top-p", "top_p", 0),
     ("-n", "n", 0), ("--budget", "budget", 0), ("--policy", "policy", "rkv:lam=0.1,lam=0.2"),
-    ("--policy", "policy", "lru"), ("--mode", "mode", "fast"), ("--choice", "choice", "best")])
+    ("--policy", "policy", "lru"), ("--policy", "policy", "rkv:kernel=1000000000"), ("--mode", "mode", "fast"),
+    ("--choice", "choice", "best")])
 def test_a_request_field_is_checked_by_its_options_own_check(toy_server, option, field, value):
     with pytest.raises((click.BadParameter, KVRescueError)) as refused:
         serve.make_context("serve", [option, str(value)])

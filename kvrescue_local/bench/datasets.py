@@ -88,7 +88,7 @@ def field_text(value, where: str, numbers: bool = True) -> str:
 
 def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "answer") -> list[Problem]:
     """The problems of a JSONL file, each line checked: UTF-8, a JSON object with the two fields, a problem that
-    is not empty, and an id no other line has (ids compare as text: "1" and 1 are the same problem)."""
+    is not empty, a gold answer that is not blank, and an id no other line has (ids compare as text: "1" and 1 are the same problem)."""
     problems = []
     first_line: dict[str, int] = {}
     raw_lines = check_input_file(path, "dataset file").read_bytes().split(b"\n")
@@ -116,6 +116,8 @@ def read_jsonl(path: Path, problem_field: str = "problem", answer_field: str = "
                 raise KVRescueError(f"{where} {answer_field!r} field is an empty list: give the gold answer")
             answer = answer[0]
         answer = field_text(answer, f"{where} {answer_field!r} field")
+        if not answer.strip():  # no answer grades right against it: every run of the problem would count as wrong
+            raise KVRescueError(f"{where} {answer_field!r} field is blank: give the gold answer")
         problem_id = field_text(row["id"], f"{where} 'id' field") if "id" in row else f"{path.stem}-{number}"
         if problem_id in first_line:
             raise KVRescueError(f"{path}:{number}: id {problem_id!r} is already the id of line {first_line[problem_id]} "

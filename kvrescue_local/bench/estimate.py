@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import KVRescueError
-from ..files import check_writable, write_figure
+from ..files import check_input_file, check_writable, write_figure
 from ..runtime.context import CACHE_TYPES
 
 MIB = 1024 * 1024
@@ -85,11 +85,12 @@ def _field(reader, key: str):
     return field.contents()
 
 
-def spec_from_gguf(path: str | Path) -> ModelSpec:
+def spec_from_gguf(path: str | Path, option: str = "the model") -> ModelSpec:
     """Model constants from a GGUF header and its tensor shapes (nothing is loaded into memory)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise KVRescueError(f"GGUF file not found: {path}; pass a .gguf path or one of {', '.join(BUILTIN)}")
+    check_input_file(path, option, f"pass a .gguf path or one of {', '.join(BUILTIN)}")
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
@@ -128,7 +129,7 @@ def spec_from_gguf(path: str | Path) -> ModelSpec:
                      value_dim if value_dim and value_dim != head_dim else None)
 
 
-def resolve_model(value: str | Path) -> ModelSpec:
+def resolve_model(value: str | Path, option: str = "the model") -> ModelSpec:
     """A built-in name (7b, 72b, 1.5b; case and a 'qwen2.5-math-' prefix ignored) or a GGUF path."""
     text = str(value).strip()
     name = text.lower().removeprefix("qwen2.5-math-")
@@ -136,7 +137,7 @@ def resolve_model(value: str | Path) -> ModelSpec:
         return BUILTIN[name]
     path = Path(text)
     if path.suffix.lower() == ".gguf" or path.exists():
-        return spec_from_gguf(path)
+        return spec_from_gguf(path, option)
     raise KVRescueError(f"unknown model {text!r}: use one of {', '.join(BUILTIN)} or the path of a .gguf file")
 
 

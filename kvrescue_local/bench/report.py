@@ -30,44 +30,13 @@ from ..files import check_input_file, decompressed
 from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, check_comparisons, choice_comparisons,
                       config_key, judge_comparisons, oracles, problem_keys, rule_comparisons, setup_comparisons,
                       setup_notes, summaries)
-from .results_file import upgrade
+from .results_file import REPORTED_ROW_SHAPE, rows_of
 from .throughput import Throughput, same_axes, throughputs
 
 MIB = 1024 * 1024
-REQUIRED = ("config", "correct", "n_steps", "tokens", "timings")
-REQUIRED_CONFIG = ("mode", "n")
 
 
 # --- reading -------------------------------------------------------------------------------------
-
-def _number(value, where: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise KVRescueError(f"{where}: {name} is {value!r}, not a number: rewrite this line (or re-run its problem)")
-    return float(value)
-
-
-def check_line(row, where: str) -> dict:
-    """A results line with the fields the tables need, or a one-line error naming the line and field."""
-    if not isinstance(row, dict):
-        raise KVRescueError(f"{where} is not a JSON object but {type(row).__name__}: every line must be one result")
-    missing = [k for k in REQUIRED if k not in row]
-    if missing:
-        raise KVRescueError(f"{where} misses {', '.join(missing)}: it is not a results line of `kvrescue-local bench` "
-                            "(re-run the benchmark or remove the line)")
-    config = row["config"]
-    if not isinstance(config, dict) or any(k not in config for k in REQUIRED_CONFIG):
-        raise KVRescueError(f"{where}: config misses mode or n: it is not a results line of `kvrescue-local bench`")
-    if not isinstance(row["tokens"], dict) or not isinstance(row["timings"], dict):
-        raise KVRescueError(f"{where}: tokens and timings must be objects: re-run its problem or remove the line")
-    if "total" not in row["timings"]:
-        raise KVRescueError(f"{where} misses timings.total: re-run its problem or remove the line")
-    for name, value in row["timings"].items():
-        _number(value, where, f"timings.{name}")
-    for name, value in row["tokens"].items():
-        _number(value, where, f"tokens.{name}")
-    _number(row["n_steps"], where, "n_steps")
-    return row
-
 
 def load_results(path: str | Path) -> list[dict]:
     """Every line of a results file (plain or zstd-compressed), checked; blank lines are skipped."""
@@ -75,7 +44,8 @@ def load_results(path: str | Path) -> list[dict]:
     if path.exists():  # a device or FIFO would be read endlessly
         check_input_file(path, "results file")
     try:
-        text = decompressed(path.read_bytes(), path).decode("utf-8")
+        data = decompressed(path.read_bytes(), path)
+        data.decode("utf-8")  # a binary file is one error naming the file, not its first line
     except FileNotFoundError:
         raise KVRescueError(f"results file not found: {path}; pass the JSONL written by `kvrescue-local bench`") from None
     except IsADirectoryError:
@@ -84,17 +54,7 @@ def load_results(path: str | Path) -> list[dict]:
         raise KVRescueError(f"{path} is not UTF-8 text: pass the results .jsonl written by `kvrescue-local bench`") from None
     except OSError as exc:
         raise KVRescueError(f"cannot read {path} ({exc.strerror}): check the path and its permissions") from None
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise KVRescueError(f"{where} is not JSON ({exc.msg}): fix or remove that line (a crash mid-write leaves "
-                                "a truncated last line)") from None
-        rows.append(upgrade(check_line(row, where)))
+    rows = rows_of(data, path, REPORTED_ROW_SHAPE)
     if not rows:
         raise KVRescueError(f"{path} holds no results: run `kvrescue-local bench` first (or pass another file)")
     return rows

@@ -10,6 +10,9 @@
   re-conversion or other model changes it), the prompt template's hash and every sampling, detector and
   KV setting. `differences(a, b)` names what differs; resume and merge refuse rows that differ.
 
+Every row read is checked field by field against ROW_SHAPE (types and ranges; a row written by any version of
+`bench run` has it), so that a hand-edited or foreign line is one error naming its file, line and field.
+
 Rows written before setups were recorded (no "setup" field) cannot be checked: `--resume` and `bench merge`
 refuse files holding them (start a new file), `report` still reads them as their own setup ("unrecorded").
 """
@@ -30,10 +33,11 @@ from typing import BinaryIO, Iterator
 from ..errors import KVRescueError
 from ..files import check_input_file, decompressed, file_hash, results_target, same_file
 from ..prm import head_path
-from ..rescue import RescueConfig
+from ..rescue import MODES, RescueConfig
 from ..rescue.config import SOME_SETTINGS
+from ..rescue.record import TRAJECTORY_SHAPE
+from ..shape import BOOLEAN, COUNT, SECONDS, TEXT, ListOf, Maybe, Number, Record, ShapeError, Text, check
 
-ROW_FIELDS = ("dataset", "id", "config_key", "config")
 # the sweep axes (recorded in "config") and settings that change speed, not results
 SOME_CONFIGURATIONS = SOME_SETTINGS  # settings only configurations they matter to record: compared where both do
 # settings recorded since some date, and what the rows of a configuration that records them ran with before: the judge's
@@ -45,6 +49,33 @@ NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "check_arithmetic", "
 # what a setup records of its axes (the KV cache types and their bytes, the base's weights): part of the row's
 # configuration, so never compared as a setting
 AXIS_RECORDS = ("kv", "weights")
+
+
+# the fields of a row its readers rely on; other fields pass (rows that record more). Resume and merge need what
+# tells rows apart (row_key); `report` reads rows from elsewhere too, and needs what its tables count.
+CONFIG_SHAPE = Record({"mode": Text(MODES), "n": Number(low=1, integer=True), "budget": Maybe(COUNT),
+                       "policy": Maybe(TEXT), "choice": TEXT, "weights": TEXT, "kv_cache": TEXT, "helper_kv_cache": TEXT,
+                       "check_arithmetic": BOOLEAN, "max_steps": COUNT})
+MODEL_SHAPE = Record({"file": TEXT, "size": COUNT, "sha256": TEXT, "head_sha256": TEXT},
+                     required=("file", "size", "sha256"))
+SETUP_SHAPE = Record({"models": Record(other=MODEL_SHAPE), "prompt_sha256": TEXT, "settings": Record(),
+                      "kv": Record(other=Record({"type_k": TEXT, "type_v": TEXT, "cell_bytes": Number(low=0)})),
+                      "weights": Record({"label": TEXT, "type": TEXT}), "rpc": Record()},
+                     required=("models", "prompt_sha256", "settings"))
+ENGINE_SHAPE = Record({"concurrency": Number(low=1, integer=True), "flash_attn": TEXT, "run": TEXT,
+                       "elapsed": SECONDS, "kv_peak_bytes": Record(other=COUNT)})
+ROW_SHAPE = Record({"schema": Number(low=1, integer=True), "dataset": TEXT, "id": TEXT, "config_key": TEXT,
+                    "config": CONFIG_SHAPE, "gold": TEXT, "answer": Maybe(TEXT), "correct": BOOLEAN, "stop": TEXT,
+                    "degenerate": BOOLEAN, "length_capped": BOOLEAN, "n_steps": COUNT, "steps_from": Record(other=COUNT),
+                    "tokens": Record(other=COUNT), "base_candidates": COUNT, "killed": COUNT,
+                    "early_exit_fraction": Number(low=0, high=1), "helper_killed": COUNT, "fallbacks": COUNT,
+                    "arithmetic_demoted": COUNT, "detector": ListOf(Record()),
+                    "timings": Record({"total": SECONDS}, required=("total",), other=SECONDS),
+                    "trajectory": TRAJECTORY_SHAPE, "setup": SETUP_SHAPE, "problem_sha256": TEXT,
+                    "engine": ENGINE_SHAPE, "error": TEXT},
+                   required=("dataset", "id", "config_key", "config"))
+REPORTED_ROW_SHAPE = Record({**ROW_SHAPE.fields, "config": dataclasses.replace(CONFIG_SHAPE, required=("mode", "n"))},
+                            required=("dataset", "id", "config", "correct", "n_steps", "tokens", "timings"))
 
 
 # --- one writer, a clean tail ----------------------------------------------------------------------
@@ -150,9 +181,10 @@ def last_line_start(f, size: int, block: int = 1 << 16) -> int:
 def parse_row(raw: bytes) -> dict | None:
     try:
         row = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        check(row, ROW_SHAPE)
+    except (UnicodeDecodeError, json.JSONDecodeError, ShapeError):
         return None
-    return row if isinstance(row, dict) and all(k in row for k in ROW_FIELDS) else None
+    return row
 
 
 def upgrade(row: dict) -> dict:
@@ -184,21 +216,37 @@ def picked_by_prm(config: dict) -> bool:
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Every row of a results file (plain or zstd-compressed), each checked; a partial last line (a writer died
-    mid-line) is left out."""
+    """Every row of a results file (plain or zstd-compressed), each checked (rows_of); none where it is not there."""
     if not path.exists():
         return []
-    lines = decompressed(check_input_file(path, "results file").read_bytes(), path).split(b"\n")
+    return rows_of(decompressed(check_input_file(path, "results file").read_bytes(), path), path)
+
+
+def rows_of(data: bytes, path: Path, shape: Record = ROW_SHAPE) -> list[dict]:
+    """The rows of a results file's text, each checked against shape and upgraded; a line that is not a row is
+    one error naming path:line (and the field). A partial last line (no newline after it, not JSON: a writer died
+    mid-line) is left out, saying so on stderr."""
+    lines = data.split(b"\n")
     rows = []
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
-        row = parse_row(raw)
-        if row is None:
-            if number == len(lines):  # no newline after it: cut off mid-write
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            if number == len(lines):
+                print(f"warning: left out {where}, a partial last line ({len(raw):,} bytes: a writer stopped "
+                      "mid-line)", file=sys.stderr)
                 break
-            raise KVRescueError(f"{path}:{number} is not a results line (a results line is a JSON object with "
-                                f"{', '.join(ROW_FIELDS)}): remove that line or write to a new results file")
+            reason = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else exc.msg
+            raise KVRescueError(f"{where} is not JSON ({reason}): fix or remove that line, or write to a new results "
+                                "file") from None
+        try:
+            check(row, shape)
+        except ShapeError as exc:
+            raise KVRescueError(f"{where} is not a results line of `kvrescue-local bench` ({exc}): re-run its problem "
+                                "or remove that line") from None
         rows.append(upgrade(row))
     return rows
 

@@ -10,13 +10,13 @@ from .. import toy  # noqa: F401  (registers the toy dataset: --dataset toy)
 from ..bench.datasets import dataset_names, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import Axis, cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
-from ..compose import check_calibration_head, model_facts, open_model, open_models, select_models
+from ..compose import check_calibration_head, fit_defaults, model_facts, open_model, open_models, select_models
 from ..errors import KVRescueError
 from ..hub import resolve_gguf
 from ..quantize import WEIGHT_TYPES
 from ..runtime.context import check_cache_types
 from .models import quantized_with_progress
-from ..files import check_appendable, check_writable
+from ..files import check_appendable, check_input_file, check_writable
 from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.config import CHOICES, SCORED_CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
@@ -85,6 +85,7 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
     selection = select_models(options, needs_base, needs_helper, note=note,
                               needs_prm=most_sides * max(ns) > 1 and (choices is None or bool(set(choices) & set(SCORED_CHOICES))))
     template = selection.config(options, None if data else dataset, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
+    template = fit_defaults(template, model_facts(selection, needs_base, needs_helper, 1), options, note)
     choices = choices or [template.choice]
     caches = cache_axis(cache_types, template, options)
 
@@ -195,6 +196,9 @@ def base_axis(bases: str | None, weight_types: list[str] | None, allow_requantiz
     sources = [resolve_gguf(b.strip()) for b in bases.split(",") if b.strip()] if bases else [selection.paths["base"]]
     if not sources:
         raise KVRescueError(f"--bases {bases!r} names no model: give comma-separated GGUF paths")
+    for source in sources:  # a missing one is named by opening it
+        check_input_file(source, "--bases" if bases else "--base", "pass the path of a .gguf model file",
+                         missing_ok=True)
     files = {}
     for source in sources:
         for weight_type in weight_types or [None]:

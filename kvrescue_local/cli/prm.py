@@ -12,7 +12,7 @@ import click
 from .. import toy  # noqa: F401  (registers the toy dataset: --dataset toy)
 from ..bench.datasets import dataset_names
 from ..errors import KVRescueError
-from ..files import check_appendable, check_not_read, file_hash
+from ..files import check_appendable, check_input_file, check_not_read, file_hash
 from ..prm import FORMATS
 from ..rescue import MODES
 from ..rescue.judge import HelperJudge
@@ -66,8 +66,12 @@ def train_command(preset, rollouts, no_rollouts, dataset, limit, modes, budgets,
     if len(rollouts) > 1 and not no_rollouts:
         raise KVRescueError("stage 1 extends one rollouts file: pass one, merge them with `kvrescue-local bench merge`, "
                             "or add --no-rollouts to train on them as they are")
+    for path in rollouts:  # stage 1 makes a missing one
+        check_input_file(path, "--rollouts", "pass a results file (JSONL)", missing_ok=True)
     if not no_rollouts:
         check_appendable(rollouts[0], "--rollouts")
+    if helper:  # checked before stage 1's rollouts, which use the preset's own models
+        check_input_file(helper, "--helper", "pass the path of a .gguf model file")
     if helper and out is None:  # the preset's head file belongs to the preset's own helper
         raise KVRescueError(f"a head on {helper.name} needs --out FILE.head.npz: the {preset} preset's head file is "
                             "trained on its own helper")
@@ -123,6 +127,8 @@ def eval_command(rollouts, preset, head, helper, threads) -> None:
     origin) on evaluation problems."""
     from ..prmtrain.pipeline import evaluate, features, labelled_rows, open_backbone
 
+    for path in rollouts:
+        check_input_file(path, "--rollouts", "pass a results file (JSONL)")
     rows, steps, left_out = labelled_rows(list(rollouts), "eval")
     check_rows(rows, rollouts, left_out, "pass the results of `bench run --split eval`")
     if left_out:

@@ -81,8 +81,8 @@ def estimate_command(base: str, helper: str, budget: int, buffer: int, cache_typ
         check_not_read(plot_path, "--plot", [("--base", base), ("--helper", helper)])
     cache = (cache_type_k or DEFAULTS.cache_type_k, cache_type_v or DEFAULTS.cache_type_v)
     helper_cache = (cache_type_k_helper or cache[0], cache_type_v_helper or cache[1])
-    result = estimate(resolve_model(base), resolve_model(helper), budget, buffer, cache, helper_cache,
-                      parse_contexts(contexts))
+    result = estimate(resolve_model(base, "--base"), resolve_model(helper, "--helper"), budget, buffer, cache,
+                      helper_cache, parse_contexts(contexts))
     click.echo(result.table(markdown=markdown))
     if plot_path is not None:
         click.echo(f"plot written to {result.plot(plot_path)}")

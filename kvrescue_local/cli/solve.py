@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..compose import model_facts, open_models, select_models
+from ..compose import fit_defaults, model_facts, open_models, select_models
 from ..files import check_writable, read_utf8
 from ..rescue import Mode, Rescue, Step, longest_prompt
 from ..rescue.config import SCORED_CHOICES
@@ -52,8 +52,9 @@ def solve(problem, problem_file, json_path, **options) -> None:
     config = selection.config(options)
     check_prm_ctx(config, options["prm_ctx"])
     max_candidates = config.candidates_per_round if config.needs_prm else 1
-    check_context_sizes(config, model_facts(selection, config.uses_base, config.uses_helper, max_candidates),
-                        available_memory(), prm_ctx=options["prm_ctx"], problem_bytes=len(text.encode()))
+    facts = model_facts(selection, config.uses_base, config.uses_helper, max_candidates)
+    config = fit_defaults(config, facts, options, note)
+    check_context_sizes(config, facts, available_memory(), prm_ctx=options["prm_ctx"], problem_bytes=len(text.encode()))
     config, models = open_models(selection, config, config.uses_base, config.uses_helper, max_candidates, [text],
                                  prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"],
                                  before_prm=lambda config, models: check_prompts_fit(config, models, {where: text}))

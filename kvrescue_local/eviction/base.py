@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,6 +61,30 @@ def register(name: str):
         cls.name = name
         return cls
     return add
+
+
+# the widest max-pooling kernel: the references pool over 7 neighbours, and a kernel as wide as a sequence's
+# entries pools them all to one value
+MAX_KERNEL = 1024
+
+
+def ranged(default: int | float, low: int | float, high: int | float):
+    """A numeric policy option and the values it takes, low to high: a spec outside them is refused when parsed,
+    before it could size a loop or an array (a kernel of 10^9 would pool for hours)."""
+    return field(default=default, metadata={"range": (low, high)})
+
+
+def check_ranges(policy: Policy) -> None:
+    """Every ranged option of policy within its range (NaN is in none), else a ValueError naming the option, its
+    range and a value to write."""
+    for option in dataclasses.fields(policy):
+        if "range" not in option.metadata:
+            continue
+        low, high = option.metadata["range"]
+        value = getattr(policy, option.name)
+        if not low <= value <= high:
+            raise ValueError(f"{option.name}={value} is out of range: {policy.name}'s {option.name} takes {low:,} to "
+                             f"{high:,}; write e.g. {policy.name}:{option.name}={option.default}")
 
 
 def parse_option(cls: type[Policy], name: str, key: str, text: str):
@@ -121,13 +145,16 @@ def check_heads(name: str, heads: str) -> None:
 
 def max_pool(x: np.ndarray, kernel: int) -> np.ndarray:
     """Same-length max pooling along the last axis (SnapKV's clustering of neighbouring positions): entry i
-    takes the max of entries i - kernel // 2 .. i + (kernel - 1) // 2 that exist (edge padding never wins)."""
-    if kernel <= 1 or x.shape[-1] == 0:
+    takes the max of entries i - kernel // 2 .. i + (kernel - 1) // 2 that exist (edge padding never wins).
+    A shift past the sequence's end reaches no entry, so the shifts stop there: a kernel wider than the
+    sequence pools it as one that spans it, at the same cost."""
+    n = x.shape[-1]
+    if kernel <= 1 or n == 0:
         return x
     out = x.copy()
     left = kernel // 2
-    for shift in range(1, left + 1):  # a shifted np.maximum per neighbour: no padded copy, no window view
+    for shift in range(1, min(left, n - 1) + 1):  # a shifted np.maximum per neighbour: no padded copy, no window view
         np.maximum(out[..., shift:], x[..., :-shift], out=out[..., shift:])
-    for shift in range(1, kernel - left):
+    for shift in range(1, min(kernel - left, n)):
         np.maximum(out[..., :-shift], x[..., shift:], out=out[..., :-shift])
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionInputs, Policy, check_heads, max_pool, register
+from .base import MAX_KERNEL, EvictionInputs, Policy, check_heads, check_ranges, max_pool, ranged, register
 
 
 def redundancy(keys: np.ndarray, similar: float = 0.5) -> np.ndarray:
@@ -46,9 +46,9 @@ def redundancy(keys: np.ndarray, similar: float = 0.5) -> np.ndarray:
 @register("rkv")
 @dataclass(frozen=True)
 class RKVPolicy(Policy):
-    lam: float = 0.07
-    kernel: int = 7
-    similar: float = 0.5
+    lam: float = ranged(0.07, 0.0, 1.0)
+    kernel: int = ranged(7, 1, MAX_KERNEL)
+    similar: float = ranged(0.5, -1.0, 1.0)
     heads: str = "per"
     needs_attention = True
     needs_keys = True
@@ -59,9 +59,7 @@ class RKVPolicy(Policy):
 
     def __post_init__(self) -> None:
         check_heads("rkv", self.heads)
-        if not 0.0 <= self.lam <= 1.0 or self.kernel < 1 or not -1.0 <= self.similar <= 1.0:
-            raise ValueError(f"rkv needs 0 <= lam <= 1, kernel >= 1 and -1 <= similar <= 1 (got lam={self.lam}, "
-                             f"kernel={self.kernel}, similar={self.similar})")
+        check_ranges(self)
 
     def head_scores(self, inputs: EvictionInputs) -> np.ndarray:
         """[n_layer, n_head_kv, n_free]: each pair's score of the entries the budget may drop."""

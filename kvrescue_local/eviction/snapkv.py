@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EvictionInputs, Policy, check_heads, max_pool, register
+from .base import MAX_KERNEL, EvictionInputs, Policy, check_heads, check_ranges, max_pool, ranged, register
 
 
 @register("snapkv")
 @dataclass(frozen=True)
 class SnapKVPolicy(Policy):
-    kernel: int = 7
+    kernel: int = ranged(7, 1, MAX_KERNEL)
     heads: str = "per"
     needs_attention = True
 
@@ -26,8 +26,7 @@ class SnapKVPolicy(Policy):
 
     def __post_init__(self) -> None:
         check_heads("snapkv", self.heads)
-        if self.kernel < 1:
-            raise ValueError(f"snapkv needs kernel >= 1 (got {self.kernel})")
+        check_ranges(self)
 
     def head_scores(self, inputs: EvictionInputs) -> np.ndarray:
         return max_pool(np.asarray(inputs.window_attention, np.float64), self.kernel)[..., ~inputs.forced]

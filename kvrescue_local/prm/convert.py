@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KVRescueError
+from ..files import check_input_file
 from ..gguf_export import TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNUSED, TOKEN_USER_DEFINED, Qwen2Shape, Vocab, write_qwen2_gguf
 from .head import RewardHead, head_path
 
@@ -58,7 +59,7 @@ class SafeTensor:
 
 
 def read_safetensors_index(path: Path) -> dict[str, SafeTensor]:
-    size = path.stat().st_size
+    size = check_input_file(path, "checkpoint file", "download the checkpoint again").stat().st_size
     try:
         with path.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
@@ -97,6 +98,7 @@ def read_checkpoint(src: Path) -> dict[str, SafeTensor]:
 def read_json(path: Path) -> dict:
     if not path.exists():
         raise KVRescueError(f"{path.name} is missing from {path.parent}: download the whole checkpoint directory")
+    check_input_file(path, "checkpoint file", "download the checkpoint again")
     try:
         data = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import KVRescueError
-from ..files import write_output
+from ..files import check_input_file, write_output
 from .formats import prm_format
 
 
@@ -73,6 +73,7 @@ class RewardHead:
         if not path.exists():
             raise KVRescueError(f"reward head not found: {path}; `kvrescue-local models convert-prm` writes one beside "
                                 "a converted backbone, `kvrescue-local prm train` trains one for a preset")
+        check_input_file(path, "reward head", "pass a .head.npz file")
         try:
             with np.load(path) as data:
                 meta = json.loads(str(data["meta"]))

@@ -32,21 +32,30 @@ def check_problem(text: str, where: str) -> str:
 
 def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems: dict[str, str]) -> None:
     """Each problem's prompt plus one step must fit in every model's trained context: beyond it a model
-    answers garbage, slowly."""
+    answers garbage, slowly. A prompt of more bytes than the room left could hold at the model's longest token is
+    refused from its length, before tokenizing it (megabytes would take seconds and a gigabyte of tokens)."""
     for model in (m for m in models if m is not None):
         room = model.n_ctx_train - config.max_step_tokens
         for where, problem in problems.items():
-            tokens = len(model.tokenize(config.prompt.format(problem=problem)))
+            prompt = config.prompt.format(problem=problem)
+            size = len(prompt.encode("utf-8"))  # at least one byte a token: the vocabulary is read only past room
+            if size > room and size > room * model.longest_token_bytes:
+                tokens = -(-size // model.longest_token_bytes)
+                takes = f"takes at least {tokens:,} tokens ({size:,} bytes, at most {model.longest_token_bytes} a token)"
+                about = "well under"  # tokens is a lower bound: the characters that fit are fewer than its share
+            else:
+                tokens = len(model.tokenize(prompt))
+                takes, about = f"takes {tokens:,} tokens", "about"
             if tokens > room:
-                trained = f"{where} takes {tokens:,} tokens with the prompt template, but {model.path.name} was " \
-                          f"trained on {model.n_ctx_train:,}"
+                trained = f"{where} {takes} with the prompt template, but {model.path.name} was trained on " \
+                          f"{model.n_ctx_train:,}"
                 if room <= len(model.tokenize(config.prompt.format(problem=""))):
                     # not even the template fits beside one step: it is the step cap that leaves no room
                     raise KVRescueError(f"{trained} and one step of --max-step-tokens {config.max_step_tokens} must "
                                         f"fit after it: lower --max-step-tokens to at most "
                                         f"{max(1, model.n_ctx_train - tokens):,}")
                 raise KVRescueError(
-                    f"{trained} and one step of {config.max_step_tokens} must fit after it: shorten it (to about "
+                    f"{trained} and one step of {config.max_step_tokens} must fit after it: shorten it (to {about} "
                     f"{len(problem) * room // tokens:,} characters) or use a model with a longer context")
 
 
@@ -135,6 +144,8 @@ class ModelFacts:
         """The facts of a GGUF file; None where it is missing, no GGUF or its header lacks them (opening the model
         then says what is wrong, in the order it checks)."""
         path = Path(path)
+        if not path.is_file():  # a FIFO would block the open: opening the model refuses it
+            return None
         try:
             with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
                 values = {key: gguf_header.string(data, at) if kind == gguf_header.STRING else

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..errors import KVRescueError
+from ..shape import BOOLEAN, COUNT, SECONDS, TEXT, ListOf, Maybe, Number, Record, ShapeError, check
 
 SCHEMA_VERSION = 2
 SIDES = ("base", "helper")
@@ -75,6 +76,19 @@ def _not_a_record(where: str, what: str) -> KVRescueError:
     return KVRescueError(f"{where}: {what}: pass the file written by `kvrescue-local solve --json`")
 
 
+# what a record's readers rely on, field by field (kvrescue_local/shape.py); further fields are let through
+SCORE = Maybe(Number())
+CANDIDATE_SHAPE = Record({"side": TEXT, "index": COUNT, "text": TEXT, "tokens": COUNT, "finished": Maybe(TEXT),
+                          "score": SCORE, "detector": Maybe(Record()), "false_arithmetic": Maybe(ListOf(TEXT))})
+STEP_SHAPE = Record({"round": COUNT, "text": TEXT, "source": TEXT, "score": SCORE, "finished": Maybe(TEXT),
+                     "candidates": ListOf(CANDIDATE_SHAPE), "fallback": BOOLEAN})
+TRAJECTORY_SHAPE = Record({"schema": Number(low=1, integer=True), "problem": TEXT, "answer": Maybe(TEXT),
+                           "stop": Maybe(TEXT), "text": TEXT, "n_steps": COUNT, "tokens": Record(other=COUNT),
+                           "early_exit_fraction": Number(low=0, high=1), "base_cells": ListOf(Record(other=COUNT)),
+                           "evictions": Record(other=COUNT), "timings": Record(other=SECONDS), "config": Record(),
+                           "steps": ListOf(STEP_SHAPE)}, required=("steps",))
+
+
 @dataclass
 class Candidate:
     """One proposed step, as it ended: at a blank line ("step"), end of generation ("eos"), the step
@@ -103,13 +117,10 @@ class Candidate:
         return out
 
     @classmethod
-    def from_json(cls, data, where: str) -> Candidate:
-        if not isinstance(data, dict):
-            raise _not_a_record(where, "a candidate is not an object")
-        detector, false_arithmetic = data.get("detector"), data.get("false_arithmetic")
-        return cls(str(data.get("side", "?")), data.get("index", 0), str(data.get("text", "")), data.get("tokens", 0),
-                   data.get("finished"), data.get("score"), detector if isinstance(detector, dict) else None,
-                   [str(e) for e in false_arithmetic] if isinstance(false_arithmetic, list) else None)
+    def from_json(cls, data: dict) -> Candidate:
+        """From a record of CANDIDATE_SHAPE."""
+        return cls(data.get("side", "?"), data.get("index", 0), data.get("text", ""), data.get("tokens", 0),
+                   data.get("finished"), data.get("score"), data.get("detector"), data.get("false_arithmetic"))
 
 
 @dataclass
@@ -144,12 +155,11 @@ class Step:
         return out
 
     @classmethod
-    def from_json(cls, data, where: str) -> Step:
-        if not isinstance(data, dict) or not isinstance(data.get("candidates", []), list):
-            raise _not_a_record(where, "not a step record")
-        return cls(data.get("round", 0), str(data.get("text", "")), str(data.get("source", "?")), data.get("score"),
-                   data.get("finished"), [Candidate.from_json(c, where) for c in data.get("candidates", [])],
-                   bool(data.get("fallback", False)))
+    def from_json(cls, data: dict) -> Step:
+        """From a record of STEP_SHAPE."""
+        return cls(data.get("round", 0), data.get("text", ""), data.get("source", "?"), data.get("score"),
+                   data.get("finished"), [Candidate.from_json(c) for c in data.get("candidates", [])],
+                   data.get("fallback", False))
 
 
 @dataclass
@@ -226,20 +236,14 @@ class Trajectory:
 
     @classmethod
     def from_json(cls, data, where: str = "the trajectory") -> Trajectory:
-        if not isinstance(data, dict) or not isinstance(data.get("steps"), list):
-            raise _not_a_record(where, "not a trajectory record (no list of steps)")
+        try:
+            check(data, TRAJECTORY_SHAPE)
+        except ShapeError as exc:
+            raise _not_a_record(where, f"not a trajectory record ({exc})") from None
         schema = data.get("schema", 1)
         if schema not in (1, SCHEMA_VERSION):
             raise KVRescueError(f"{where}: trajectory schema {schema!r} is newer than this kvrescue-local reads "
                                 f"({SCHEMA_VERSION}): upgrade kvrescue-local")
-        steps = [Step.from_json(s, f"{where}: step {i + 1}") for i, s in enumerate(data["steps"])]
-
-        def mapping(key: str) -> dict:
-            value = data.get(key)
-            return value if isinstance(value, dict) else {}
-
-        cells = data.get("base_cells")
-        return cls(str(data.get("problem", "")), mapping("config"), steps, str(data.get("stop") or ""),
-                   data.get("answer"), mapping("tokens"),
-                   [c for c in cells if isinstance(c, dict)] if isinstance(cells, list) else [],
-                   mapping("evictions") or {"evictions": 0, "fallback_evictions": 0}, mapping("timings"))
+        return cls(data.get("problem", ""), data.get("config", {}), [Step.from_json(s) for s in data["steps"]],
+                   data.get("stop") or "", data.get("answer"), data.get("tokens", {}), data.get("base_cells", []),
+                   data.get("evictions") or {"evictions": 0, "fallback_evictions": 0}, data.get("timings", {}))

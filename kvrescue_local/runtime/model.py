@@ -22,6 +22,8 @@ def check_gguf_file(path: Path) -> Path:
         raise KVRescueError(f"GGUF file not found: {path}; pass the path of an existing .gguf file or a preset name")
     if path.is_dir():
         raise KVRescueError(f"{path} is a directory; pass the .gguf file inside it")
+    if not path.is_file():  # read, a FIFO would block (llama.cpp's load too) and a device never end
+        raise KVRescueError(f"{path} is not a regular file (a FIFO, device or socket); pass the path of a .gguf file")
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -81,6 +83,12 @@ class Model:
     @property
     def n_vocab(self) -> int:
         return llama().llama_vocab_n_tokens(self.vocab)
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token spells: a text of B bytes takes at least B / this many tokens (read once, from
+        every token of the vocabulary)."""
+        return max(len(self.detokenize_bytes([token])) for token in range(self.n_vocab))
 
     @property
     def n_embd(self) -> int:
