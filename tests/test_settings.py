@@ -15,7 +15,7 @@ from test_hardening import FAST, PROBLEM, invoke, one_error_line
 pytest.importorskip("fastapi")
 
 from kvrescue_local.cli import main  # noqa: E402
-from kvrescue_local.cli.common import settings_reference  # noqa: E402
+from kvrescue_local.cli.common import HEADINGS, settings_reference  # noqa: E402
 from kvrescue_local.errors import KVRescueError  # noqa: E402
 from kvrescue_local.serve.schemas import IGNORED, ChatRequest, CompletionRequest  # noqa: E402
 from kvrescue_local.settings import GROUPS, SETTINGS, Finite  # noqa: E402
@@ -112,11 +112,11 @@ def test_help_shows_the_common_options_then_the_groups_in_order(name):
     result = invoke(*path, "--help")
     assert result.exit_code == 0, result.output
     headings = re.findall(r"^(\S[^\n]*):$", result.output, flags=re.M)
-    titles = ["Options", *(f"{group[0].upper()}{group[1:]} options" for group in GROUPS[1:])]
-    assert headings == titles
+    assert headings == [HEADINGS[group] for group in GROUPS]
+    assert headings[0] == "Options" and headings[-1] == "llama.cpp options"
     sections = dict(zip(headings, re.split(r"^\S[^\n]*:$", result.output, flags=re.M)[1:]))
     assert "--window" in sections["Eviction options"] and "--temp" in sections["Sampling options"]
-    assert "-ngl" in sections["Llama.cpp options"] and "--tau-entropy" in sections["Detector options"]
+    assert "-ngl" in sections["llama.cpp options"] and "--tau-entropy" in sections["Detector options"]
     assert "--preset" in sections["Options"] and "--window" not in sections["Options"]
 
 

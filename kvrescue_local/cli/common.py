@@ -17,6 +17,10 @@ def preset_default(value) -> str:
     return f"[default: the preset's, else {value}]"
 
 
+HEADINGS = {"common": "Options", "eviction": "Eviction options", "sampling": "Sampling options",
+            "rule": "Commit rule options", "detector": "Detector options", "llama.cpp": "llama.cpp options"}
+
+
 class GroupedOption(click.Option):
     """An option shown in a group of its command's help (settings.GROUPS)."""
 
@@ -38,7 +42,7 @@ class SettingsCommand(click.Command):
                 rows[getattr(param, "group", "common")].append(record)
         for group, records in rows.items():
             if records:
-                with formatter.section("Options" if group == "common" else f"{group[0].upper()}{group[1:]} options"):
+                with formatter.section(HEADINGS[group]):
                     formatter.write_dl(records)
 
     def option_name(self, field: str) -> str:
