@@ -144,11 +144,12 @@ DEFAULTS = RescueConfig()
 @dataclass(frozen=True)
 class Setting:
     """One setting of a run. field: RescueConfig's ("kv.budget" for a nested one); flags: the command line's, the
-    long one first, or "--on/--off" for a switch; request: the served request's field that sets it (None: the
-    server's alone, as -t, -ngl); json: the JSON type a request gives it (an int is a number too); default: the
-    default's words where RescueConfig's value does not say it; name: the option's parameter name (the field's own
-    by default); values: the values it takes in words, where its kind's range depends on the machine; follows: the setting whose value it takes when it is not given; axis: the `bench run` option that
-    sweeps it in its place there."""
+    one its messages name it by first, or "--on/--off" for a switch; request: the served request's field that sets it
+    (None: the server's alone, as -t, -ngl); json: the JSON type a request gives it (an int is a number too);
+    default: the default's words where RescueConfig's value does not say it; name: the option's parameter name (the
+    field's own by default); follows: the setting whose value it takes when it is not given; axis: the `bench run`
+    option that sweeps it in its place there; values: the values it takes in words, where its kind's range depends
+    on the machine."""
 
     field: str
     flags: tuple[str, ...]
