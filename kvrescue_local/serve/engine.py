@@ -20,8 +20,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..rescue import Models, Rescue, RescueConfig, Step, Trajectory
+from ..settings import request_name
 from .metrics import Metrics
 
 LENGTH_STOPS = ("max_tokens", "max_steps")  # the `kvrescue.stop`s whose finish_reason is "length"
@@ -143,8 +144,9 @@ class Engine:
                 try:
                     rescue = Rescue(key, self.models.base, self.models.helper, self.models.prm,
                                     prompt_tokens_max=self.prompt_tokens_max, concurrency=self.concurrency)
-                except KVRescueError as exc:
-                    self.refuse(key, f"the engine cannot run these settings: {exc}")
+                except KVRescueError as exc:  # a setting named as a request names it
+                    said = exc.worded(request_name) if isinstance(exc, SettingError) else str(exc)
+                    self.refuse(key, f"the engine cannot run these settings: {said}")
                     continue
             try:
                 for job, trajectory, error in rescue.run(Feeder(self, key), text=lambda j: j.problem,
