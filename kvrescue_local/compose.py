@@ -22,6 +22,8 @@ from .presets import HELPER, Preset, load_preset, preset_of
 from .prm import PRM, PRMParams, RewardHead, head_path, prm_format
 from .rescue import Models, RescueConfig
 from .rescue.judge import HelperHead
+from .rescue.rules import Rule, parse_rule
+from .rescue.rules.calibrated import fits_in, unfitted, with_fit
 from .rescue.limits import ModelFacts, RunModels
 from .runtime import Model
 from .runtime.model import check_gguf_file
@@ -32,12 +34,59 @@ PROMPT_METADATA = "kvrescue.prompt_template"
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "every layer"
 def preset_config(preset: Preset | None, dataset: str | None = None, **overrides) -> RescueConfig:
     """RescueConfig's defaults, then the preset's prompt and recipe (with what it holds for `dataset`'s problems laid
-    over it), then `overrides` (fields; kv and detector as dicts)."""
+    over it), then `overrides` (fields; kv and detector as dicts); a calibrated rule without its numbers takes the
+    ones the preset fitted for `dataset`."""
     config = RescueConfig()
     if preset is not None:
         recipe = merged(preset.recipe, preset.dataset_recipes.get(dataset, {}) if dataset else {})
         config = config.with_overrides({**recipe, **({"prompt": preset.prompt} if preset.prompt else {})})
-    return config.with_overrides(overrides)
+    config = config.with_overrides(overrides)
+    return dataclasses.replace(config, rule=fitted_rule(preset, dataset, config.rule))
+
+
+def fitted_rule(preset: Preset | None, dataset: str | None, rule: Rule | str) -> Rule:
+    """The rule with the preset's calibration for `dataset` (its commit.json) in each calibrated part that gives no
+    numbers of its own; as it is where there is none (Rescue refuses it then)."""
+    rule = rule if isinstance(rule, Rule) else parse_rule(rule)
+    fitted = (preset.dataset_recipes.get(dataset, {}).get("rule") if preset and dataset else None)
+    fits = fits_in(parse_rule(fitted)) if fitted else []
+    return with_fit(rule, fits[0]) if fits and unfitted(rule) else rule
+
+
+def rule_needs_judge(options: dict) -> bool:
+    """Whether the run's rule needs a judge, before the preset is read: --rule's word, and True where the rule is
+    the preset's (its rules all score)."""
+    return parse_rule(options["rule"]).needs_judge if options.get("rule") else True
+
+
+def check_fitted_for(selection: Selection, name: str | None) -> None:
+    """--fitted-for names a dataset the preset fitted a rule for."""
+    preset = selection.preset
+    if name is None:
+        return
+    fitted = sorted(preset.dataset_recipes) if preset else []
+    if name not in fitted:
+        whose = (f"the {preset.name} preset fitted rules for {', '.join(fitted)} only; pass one of those, or --rule SPEC"
+                 if fitted else f"the {preset.name if preset else 'chosen'} preset fitted no rule for a dataset: pass "
+                                "--rule SPEC")
+        raise KVRescueError(f"--fitted-for {name}: {whose}")
+
+
+def rule_note(selection: Selection, rule: Rule, given: str | None, fitted_for: str | None, dataset: str | None) -> str:
+    """Which rule applies and why (solve and bench run say it once): --rule, the preset's rule fitted for the dataset
+    (--fitted-for, else --dataset), the preset's default, or the project's."""
+    preset = selection.preset
+    if given:
+        return f"rule: {rule} (--rule)"
+    name = fitted_for or dataset
+    if preset and name in preset.dataset_recipes:
+        how = "--fitted-for" if fitted_for else "--dataset"
+        return f"rule: {rule} (the {preset.name} preset's, fitted for {name}: {how} {name})"
+    if preset and "rule" in preset.recipe:
+        hint = (f"; --fitted-for NAME takes the one fitted for {', '.join(sorted(preset.dataset_recipes))}"
+                if preset.dataset_recipes else "")
+        return f"rule: {rule} (the {preset.name} preset's default{hint})"
+    return f"rule: {rule} (the default; --rule sets one)"
 
 
 def merged(*layers: dict) -> dict:
@@ -59,6 +108,8 @@ class Selection:
     rpc_layers: int = ALL_LAYERS  # how many of them go there: -ngl where given, else every layer
 
     def config(self, options: dict, dataset: str | None = None, **overrides) -> RescueConfig:
+        """The run's settings; `dataset`: whose fitted rules apply (--dataset, or --fitted-for)."""
+        check_fitted_for(self, options.get("fitted_for"))
         return preset_config(self.preset, dataset, **merged(config_overrides(options), overrides))
 
     @property
@@ -81,16 +132,16 @@ def check_calibration_head(selection: Selection, dataset: str | None, configs: l
     if fitted is None or head is None or not head.exists():  # a missing head is open_models' error
         return
     calibrated = [config for config in configs
-                  if config.needs_prm and config.mode.sides > 1 and config.rule == "calibrated"]
+                  if config.needs_prm and config.mode.sides > 1 and fits_in(config.commit_rule)]
     if not calibrated:
         return
     used = file_hash(head)
     if used != fitted:
         raise KVRescueError(f"the {preset.name} preset's {dataset} calibration (its commit.json) was fitted on the "
-                            f"rewards of head {fitted[:8]}, and --choice {calibrated[0].choice} at budget "
+                            f"rewards of head {fitted[:8]}, and --rule {calibrated[0].rule} at budget "
                             f"{calibrated[0].kv.budget} would read those of {head} ({used[:8]}) through it: pass "
-                            "--choice prm, base-first or helper-first, or refit the calibration on rows this head "
-                            "scored (perf/fit_commit.py, docs/prm.md)")
+                            "a --rule without calibrated (judge, lead:base, lead:helper), or refit the calibration on "
+                            "rows this head scored (perf/fit_commit.py, docs/prm.md)")
 
 
 def prm_head_given(value: str | None) -> tuple[str | None, Path | None]:
@@ -215,7 +266,7 @@ def open_models(selection: Selection, config: RescueConfig, needs_base: bool, ne
     if max_candidates > 1 and paths["prm"] is None:  # checked before any model loads
         raise KVRescueError(f"the {selection.preset.name if selection.preset else 'chosen'} preset has no PRM yet, and "
                             f"{max_candidates} candidates per round need one to choose between them: pass --prm "
-                            "PATH.gguf (or use -n 1 in mode full, bon or helper, or --choice random)")
+                            "PATH.gguf (or use -n 1 in mode full, bon or helper, or --rule random)")
     in_helper = paths["prm"] == HELPER
     if max_candidates > 1 and in_helper and (paths["prm_head"] is None or not Path(paths["prm_head"]).exists()):
         missing = f"the {name} preset has none" if paths["prm_head"] is None else f"{paths['prm_head']} is missing"

@@ -31,6 +31,8 @@ from .gguf_export import TINY_BASE, TINY_HELPER, write_tiny_model
 from .hub import HUB_PRESETS, HubModels, resolve_gguf, resolve_prm
 from .paths import CACHE, SHIPPED_MODELS
 from .prm import RewardHead, head_path
+from .rescue.rules import parse_rule
+from .rescue.rules.calibrated import fits_in
 from .wheels import WHEEL_MODELS, cached
 
 ROLES = ("base", "helper", "prm")
@@ -46,8 +48,8 @@ class Preset:
     note: str = ""
     prompt: str | None = None  # the template its models were trained on; None: RescueConfig's default
     recipe: dict = field(default_factory=dict)  # RescueConfig fields ("kv" and "detector" as dicts)
-    # per dataset (a bench --dataset name), RescueConfig fields laid over the recipe for its problems: what was
-    # fitted on that dataset's training split (commit.json's "datasets")
+    # per dataset (a bench --dataset name, or --fitted-for), RescueConfig fields laid over the recipe for its
+    # problems: the rule fitted on that dataset's training split (commit.json's "datasets")
     dataset_recipes: dict = field(default_factory=dict)
     prm_head: Path | None = None  # the PRM's reward head when it is not beside the backbone (head_path(prm))
     helper_head: Path | None = None  # the head `--prm helper` reads the helper's context with
@@ -104,16 +106,11 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
     return Preset(name, **files, helper_head=directory / "helper.head.npz", **preset_spec(directory))
 
 
-# a commit.json's fitted rule settings
-COMMIT_RULES = ("choice", "helper_margin", "base_margin", "calibration", "judge_max_budget", "weak_base_choice",
-                "check_arithmetic")
-
-
 def preset_spec(directory: Path) -> dict:
     """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe's detector
-    settings, and its commit.json's fitted rule settings ("rule", written by perf/fit_commit.py beside what they
-    were fitted on, "fit") over the recipe; commit.json's "datasets" hold rule settings fitted per dataset, and its
-    "fit" the head each dataset's calibration was fitted on."""
+    settings, and its commit.json's fitted rules (written by perf/fit_commit.py beside what they were fitted on,
+    "fit"): "rule", the preset's rule spec, and "datasets", the rule spec fitted for each dataset's problems; "fit"
+    names the head each dataset's calibration was fitted on."""
     spec = _read_json(directory / "preset.json")
     recipe = dict(spec.get("recipe") or {})
     dataset_recipes: dict = {}
@@ -122,18 +119,21 @@ def preset_spec(directory: Path) -> dict:
         recipe["detector"] = {**recipe.get("detector", {}), **_read_json(directory / "detector.json")}
     if (directory / "commit.json").exists():
         commit = _read_json(directory / "commit.json")
-        rules = [commit.get("rule"), *(commit.get("datasets") or {}).values()]
-        if not isinstance(commit.get("datasets", {}), dict) or not all(
-                isinstance(rule, dict) and not set(rule) - set(COMMIT_RULES) for rule in rules):
-            raise KVRescueError(f"{directory / 'commit.json'} has no \"rule\" of {', '.join(COMMIT_RULES)}: refit it "
-                                "with perf/fit_commit.py or restore it from the repository")
-        recipe.update(commit["rule"])
-        dataset_recipes = commit.get("datasets") or {}
+        datasets = commit.get("datasets", {})
+        try:
+            if not isinstance(datasets, dict):
+                raise KVRescueError("its datasets are no object")
+            rules = {name: parse_rule(rule, "rule") for name, rule in datasets.items()}
+            recipe["rule"] = parse_rule(commit.get("rule"), "rule").spec
+        except KVRescueError as error:
+            raise KVRescueError(f"{directory / 'commit.json'} holds no rule specs ({error}): refit it with "
+                                "perf/fit_commit.py or restore it from the repository") from None
+        dataset_recipes = {name: {"rule": rule.spec} for name, rule in rules.items()}
         fit = commit.get("fit") if isinstance(commit.get("fit"), dict) else {}
         calibration_fits = fit.get("calibration") if isinstance(fit.get("calibration"), dict) else {}
-        for dataset, rule in dataset_recipes.items():
+        for dataset, rule in rules.items():
             entry = calibration_fits.get(dataset)
-            head = entry.get("head_sha256") if "calibration" in rule and isinstance(entry, dict) else None
+            head = entry.get("head_sha256") if fits_in(rule) and isinstance(entry, dict) else None
             if head is not None and not isinstance(head, str):
                 raise KVRescueError(f"{directory / 'commit.json'} names the head of {dataset}'s calibration by "
                                     f"{head!r}, not a fingerprint: refit it with perf/fit_commit.py or restore it "

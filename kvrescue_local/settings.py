@@ -18,7 +18,7 @@ from .errors import KVRescueError
 from .eviction import POLICY_HELP, policy_specs
 from .files import check_encodable
 from .rescue import MODES, RescueConfig
-from .rescue.config import CHOICES, WEAK_BASE_CHOICES
+from .rescue.rules import parse_rule, rules_help
 from .runtime.context import CACHE_TYPES
 
 SEED = click.IntRange(0, 2 ** 32 - 1)  # llama.cpp's samplers take an unsigned 32-bit seed
@@ -27,7 +27,6 @@ NON_NEGATIVE = click.IntRange(min=0)
 MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
 THREADS = click.IntRange(0, MAX_THREADS)
 MODE = click.Choice(MODES)
-CHOICE = click.Choice(CHOICES)
 
 
 class Finite(click.ParamType):
@@ -121,6 +120,19 @@ class PromptTemplate(click.ParamType):
         if not fields:
             self.fail(f"{value!r} has no field: it must contain {{problem}} where the problem goes", param, ctx)
         return value
+
+
+class RuleSpec(click.ParamType):
+    """A commit rule's spec (rescue/rules/base.py), checked and written back canonically: its error lists the
+    rules and their parameters."""
+
+    name = "rule"
+
+    def convert(self, value, param, ctx) -> str:
+        return parse_rule(str(value)).spec  # its KVRescueError is the command's one Error: line
+
+
+RULE = RuleSpec()
 
 
 def checked(kind: click.ParamType, value):
@@ -223,26 +235,9 @@ SETTINGS = (
     Setting("max_steps", ("--max-steps",), POSITIVE, "committed steps at most", "sampling"),
     Setting("max_step_tokens", ("--max-step-tokens",), POSITIVE, "a candidate step's tokens at most (it is cut there)",
             "sampling"),
-    Setting("choice", ("--choice",), CHOICE, "how a round's winner is chosen: the PRM's favourite (prm), at random "
-            "(seeded per round), the base's unless the helper's is better by --helper-margin (base-first), the "
-            "helper's unless the base's is better by --base-margin (helper-first), the most probably right "
-            "(calibrated), or --weak-base-choice up to --judge-max-budget and base-first above (regime); docs/prm.md",
-            "rule", request="choice", json=str, axis="--choice"),
-    Setting("pick_margin", ("--pick-margin",), Finite(0, 1, high_open=True), "the PRM's pick: the first survivor "
-            "(the base's candidates, then the helper's) within this of the best score", "rule", json=float),
-    Setting("helper_margin", ("--helper-margin",), Finite(0, 1), "--choice base-first: the helper's step is "
-            "committed over the base's only when the PRM scores it more than this higher, or no base candidate "
-            "survives", "rule", json=float),
-    Setting("base_margin", ("--base-margin",), Finite(0, 1), "--choice helper-first: the base's step is committed "
-            "over the helper's only when the PRM scores it more than this higher, or no helper candidate survives",
-            "rule", json=float),
-    Setting("judge_max_budget", ("--judge-max-budget",), NON_NEGATIVE, "--choice regime: the largest base budget at "
-            "which --weak-base-choice commits; above it the rule is base-first", "rule"),
-    Setting("weak_base_choice", ("--weak-base-choice",), click.Choice(WEAK_BASE_CHOICES), "--choice regime: the rule "
-            "up to --judge-max-budget, where the evicted base is the weaker writer", "rule", json=str),
-    Setting("check_arithmetic", ("--check-arithmetic/--no-check-arithmetic",), None, "rounds with a choice set "
-            "aside a candidate whose step states false arithmetic (\"15 × 0.08 = 12\") while another states none; "
-            "the rows' config key ends -arith", "rule", json=bool),
+    Setting("rule", ("--rule",), RULE, "how a round's winner is chosen among its survivors, a rule spec "
+            f"(docs/prm.md): {rules_help()}", "rule", request="rule", json=str, axis="--rule",
+            default="the preset's for the dataset, else judge", values="a rule spec"),
     Setting("detector.tau_entropy", ("--tau-entropy",), Finite(0), "mean entropy (nats) above which a base "
             "candidate dies", "detector", json=float),
     Setting("detector.tau_compression", ("--tau-compression",), Finite(0), "zstd ratio below which a base candidate "

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Fit the commit rules' parameters on rows of training problems, and store them with a preset:
-- from KV-Rescue rows with the PRM choosing (`bench run --split train --modes kvrescue --ns 1`): `--choice
-  calibrated`'s per-source calibration and `--choice base-first`'s helper margin, per dataset
-  (kvrescue_local/prmtrain/commit.py);
+- from KV-Rescue rows with the PRM choosing (`bench run --split train --modes kvrescue --ns 1`): the `calibrated`
+  rule's per-source calibration and `lead:base`'s margin, per dataset (kvrescue_local/prmtrain/commit.py);
 - from evicted best-of-N and helper-alone rows at N = 1 (`bench run --split train --modes bon,helper --ns 1
-  --budgets ...`): `--choice regime`'s budget, per dataset (kvrescue_local/prmtrain/regime.py), which makes the
-  regime rule the preset's default; below it the judge's pick, calibrated, on the datasets both of the rows the
+  --budgets ...`): the budget of `by-budget`, per dataset (kvrescue_local/prmtrain/regime.py), which makes that
+  rule the preset's default; below it the judge's pick, calibrated, on the datasets both of the rows the
   judge was trained on (--judge-rows, the rollouts `prm train` read) and of a calibration (fitted here, or stored in
   the --write file), the helper's step first on the others.
-A row of an evaluation problem is refused. With --write, the fitted settings are laid over what the file holds.
+A row of an evaluation problem is refused. With --write, the fitted parameters are laid over those of the rule specs
+the file holds, and the specs written back (prmtrain/regime.py: regime_rule).
 
 Usage:
   python3 perf/fit_commit.py ROWS.jsonl [more.jsonl ...] [--judge-rows ROLLOUTS.jsonl ...] [--write models/coder/commit.json]
@@ -24,7 +24,8 @@ from pathlib import Path
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.errors import KVRescueError
 from kvrescue_local.prmtrain.commit import fit
-from kvrescue_local.prmtrain.regime import default_rule, fit_regime
+from kvrescue_local.prmtrain.regime import default_rule, fit_regime, regime_rule, rule_parameters
+from kvrescue_local.rescue.rules import parse_rule
 
 
 def kvrescue_of(dataset: str, rows: list[dict]) -> list[dict]:
@@ -53,8 +54,10 @@ def main() -> None:
         stored = json.loads(args.write.read_text()) if args.write and args.write.exists() else {}
     except (OSError, ValueError) as exc:
         sys.exit(f"Error: cannot read {args.write} ({exc}): restore it from the repository or remove it")
-    rule, datasets, fitted_on = dict(stored.get("rule", {})), dict(stored.get("datasets", {})), dict(stored.get("fit", {}))
+    fitted_on = dict(stored.get("fit", {}))
     try:
+        rule = rule_parameters(parse_rule(stored["rule"])) if "rule" in stored else {}
+        datasets = {name: rule_parameters(parse_rule(spec)) for name, spec in (stored.get("datasets") or {}).items()}
         rows_of = {path: rows_in(path, "results files of `bench run --split train`") for path in args.rows}
         rows = [row for path in args.rows for row in rows_of[path]]
         modes = {(r.get("config") or {}).get("mode") for r in rows}
@@ -104,8 +107,9 @@ def main() -> None:
     except KVRescueError as exc:
         sys.exit(f"Error: {exc}")
     if args.write:
-        args.write.write_text(json.dumps({"rule": rule, **({"datasets": datasets} if datasets else {}), "fit": fitted_on},
-                                         indent=2) + "\n")
+        specs = {name: regime_rule(**params).spec for name, params in datasets.items()}
+        args.write.write_text(json.dumps({"rule": regime_rule(**rule).spec, **({"datasets": specs} if specs else {}),
+                                          "fit": fitted_on}, indent=2) + "\n")
         print(f"wrote {args.write}")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.presets import load_preset
 from kvrescue_local.rescue.judge import Read, shared_tokens
+from kvrescue_local.rescue.rules import parse_rule
 from kvrescue_local.runtime import Model
 
 
@@ -31,7 +32,7 @@ def main() -> None:
         raise SystemExit(f"Error: no results file {args.results}: give a JSONL file that `bench run --results` wrote")
     helper = Model(load_preset(args.preset).helper)
     rows = read_rows(Path(args.results))
-    rows = [r for r in rows if r["config_key"] == args.config and r["config"].get("choice", "prm") == "prm"]
+    rows = [r for r in rows if r["config_key"] == args.config and parse_rule(r["config"]["rule"]).name == "judge"]
     problems = rounds = own = whole = shared = winners = 0
     for row in rows:
         problems += 1

@@ -39,6 +39,7 @@ from kvrescue_local.prm import PRM, PRMParams, RewardHead, prm_format
 from kvrescue_local.rescue import Generator
 from kvrescue_local.rescue.generator import Draft
 from kvrescue_local.rescue.judge import HelperJudge
+from kvrescue_local.rescue.rules import parse_rule
 from kvrescue_local.runtime import Model, SamplingParams
 
 OTHER_PROBLEM = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
@@ -48,7 +49,7 @@ def rounds(path: str, config_key: str):
     """(problem, committed steps before the round, the round's distinct survivors, their recorded scores, and each
     survivor's (side, finished) as first sampled)."""
     for row in read_rows(Path(path)):
-        if row["config_key"] != config_key or row["config"].get("choice", "prm") != "prm" or "trajectory" not in row:
+        if row["config_key"] != config_key or parse_rule(row["config"]["rule"]).name != "judge" or "trajectory" not in row:
             continue
         steps = row["trajectory"]["steps"]
         for i, step in enumerate(steps):

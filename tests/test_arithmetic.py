@@ -14,7 +14,7 @@ from kvrescue_local.errors import KVRescueError
 from kvrescue_local.rescue.arithmetic import evaluate, false_equalities
 from kvrescue_local.rescue.config import RescueConfig, cache_fields
 from kvrescue_local.rescue.generator import Draft
-from kvrescue_local.rescue.loop import arithmetic_checked
+from kvrescue_local.rescue.rules.arith import arithmetic_checked
 from kvrescue_local.toy.task import held_out
 from test_engine import solve_all, toy  # noqa: F401 - toy is a fixture
 
@@ -82,13 +82,14 @@ def test_a_survivor_stating_false_arithmetic_is_set_aside_while_another_states_n
 
 
 def test_the_check_is_a_configuration_of_its_own_where_rounds_choose():
-    axes = sweep_axes(["bon", "kvrescue"], [64], [1], ["rkv"], ["regime"], check_arithmetic=True)
+    axes = sweep_axes(["bon", "kvrescue"], [64], [1], ["rkv"], ["arith:by-budget:64,judge,lead:base"])
     assert [a.key for a in axes] == ["bon-b64-n1-rkv", "kvrescue-b64-n1-rkv-regime-arith"]
+    assert [a.rule for a in axes] == ["judge", "arith:by-budget:64,judge,lead:base"], "N = 1 bon: nothing to check"
     row = {"dataset": "gsm8k", "config": {"mode": "kvrescue", "budget": 64, "n": 1, "policy": "rkv",
-                                          "choice": "regime", "check_arithmetic": True}}
+                                          "rule": "arith:by-budget:64,judge,lead:base"}}
     assert config_key(row).label == "kvrescue/regime+arith b64 n1 rkv"
-    with pytest.raises(KVRescueError, match="true or false"):
-        RescueConfig(check_arithmetic="yes")
+    with pytest.raises(KVRescueError, match="unknown rule .yes."):
+        RescueConfig(rule="arith:yes")
 
 
 def test_rounds_set_false_arithmetic_aside_through_llama_cpp(toy):  # noqa: F811 - the fixture
@@ -96,8 +97,8 @@ def test_rounds_set_false_arithmetic_aside_through_llama_cpp(toy):  # noqa: F811
     exceeded commits its step unless the check sets it aside: every round where a survivor states false arithmetic
     and another does not commits one that does not, and the rows count those set aside."""
     problems = [p.text for p in held_out(8)]
-    common = dict(n=1, kv={"budget": 48}, choice="base-first", helper_margin=1.0, **cache_fields("f32", "f32"))
-    checked, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", check_arithmetic=True, **common), problems, 4)
+    common = dict(n=1, kv={"budget": 48}, **cache_fields("f32", "f32"))
+    checked, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", rule="arith:lead:base", **common), problems, 4)
     demoted = 0
     for trajectory in checked.values():
         for step in trajectory.steps:
@@ -111,18 +112,18 @@ def test_rounds_set_false_arithmetic_aside_through_llama_cpp(toy):  # noqa: F811
                 demoted += sum(bool(c.false_arithmetic) for c in survivors)
     assert sum(t.set_aside for t in checked.values()) == demoted
     assert demoted >= 1, "the evicted toy base wrote a wrong sum that a right one replaced"
-    unchecked, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", **common), problems, 4)
+    unchecked, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", rule="lead:base", **common), problems, 4)
     assert all(c.false_arithmetic is None for t in unchecked.values() for s in t.steps for c in s.candidates)
 
 
 def test_solve_shows_and_records_what_it_set_aside(tmp_path):
-    """`solve --check-arithmetic` on the toy preset: a step line says how many survivors its round set aside, and the
+    """`solve --rule arith:lead:base` on the toy preset: a step line says how many survivors its round set aside, and the
     --json record lists each checked candidate's false equalities."""
     for i, problem in enumerate(held_out(8)):
         out = tmp_path / f"{i}.json"
-        result = CliRunner().invoke(main, ["solve", "--preset", "toy", "-n", "1", "--budget", "48", "--choice",
-                                           "base-first", "--helper-margin", "1", "-ctk", "f32", "-ctv", "f32",
-                                           "--check-arithmetic", "--json", str(out), problem.text])
+        result = CliRunner().invoke(main, ["solve", "--preset", "toy", "-n", "1", "--budget", "48", "--rule",
+                                           "arith:lead:base", "-ctk", "f32", "-ctv", "f32",
+                                           "--json", str(out), problem.text])
         assert result.exit_code == 0, result.output
         if "set aside: false arithmetic" in result.output:
             break

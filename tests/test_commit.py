@@ -1,5 +1,6 @@
-"""Commit rules (`--choice base-first | helper-first | calibrated | regime`): the picks, their parameters recorded
-only where they matter, fitted on training problems only and stored with a preset; MATH500's split kept."""
+"""Commit rules as specs (`--rule lead:base | lead:helper | calibrated | by-budget | arith:...`): the picks, their
+specs recorded only where a judge scores for them, fitted on training problems only and stored with a preset;
+MATH500's split kept."""
 
 import json
 
@@ -15,37 +16,40 @@ from kvrescue_local.presets import preset_spec
 from kvrescue_local.prmtrain.commit import fit
 from kvrescue_local.rescue import RescueConfig
 from kvrescue_local.rescue.generator import Draft
-from kvrescue_local.rescue.loop import choose
+from kvrescue_local.rescue.rules import parse_rule
 
 
 def drafts(*pairs):
     return [Draft(side, i, -1, score=score) for i, (side, score) in enumerate(pairs)]
 
 
-@pytest.mark.parametrize("choice, leader, other, margin", [("base-first", "base", "helper", "helper_margin"),
-                                                         ("helper-first", "helper", "base", "base_margin")])
-def test_a_leading_side_is_committed_unless_none_of_it_survives_or_the_other_wins_by_the_margin(choice, leader, other,
-                                                                                                 margin):
-    config = RescueConfig(n=2, choice=choice, **{margin: 0.05})
+def choose(round_, spec, budget=0):
+    return parse_rule(spec).at_budget(budget).choose(round_, (0, 0, 0))
+
+
+@pytest.mark.parametrize("leader, other", [("base", "helper"), ("helper", "base")])
+def test_a_leading_side_is_committed_unless_none_of_it_survives_or_the_other_wins_by_the_margin(leader, other):
+    rule = f"lead:{leader},margin=0.05"
     round_ = drafts((leader, 0.40), (leader, 0.50), (other, 0.54), (other, 0.30))
-    assert choose(round_, config, 0, 0) is round_[1], f"the {other}'s best is 0.04 above: within the margin"
+    assert choose(round_, rule) is round_[1], f"the {other}'s best is 0.04 above: within the margin"
     round_[3].score = 0.56
-    assert choose(round_, config, 0, 0) is round_[3], f"0.06 above the {leader}'s best: over the margin"
-    assert choose(round_[2:], config, 0, 0) is round_[3], f"no {leader} candidate survives"
-    assert choose(round_, RescueConfig(n=2, choice=choice, **{margin: 1.0}), 0, 0) is round_[1]
-    assert choose(round_, RescueConfig(n=2, choice="prm"), 0, 0) is round_[3]
-    with pytest.raises(KVRescueError, match=f"--{margin.replace('_', '-')} must be in"):
-        RescueConfig(**{margin: 1.5})
+    assert choose(round_, rule) is round_[3], f"0.06 above the {leader}'s best: over the margin"
+    assert choose(round_[2:], rule) is round_[3], f"no {leader} candidate survives"
+    assert choose(round_, f"lead:{leader}") is round_[1], "margin 1 by default: only when none survives"
+    assert choose(round_, "judge") is round_[3]
+    with pytest.raises(KVRescueError, match="lead's margin must be in"):
+        RescueConfig(rule=f"lead:{leader},margin=1.5")
 
 
 def test_the_calibrated_rule_picks_the_survivor_most_probably_right():
     round_ = drafts(("base", 0.50), ("helper", 0.60))
     # the helper's rewards run high: its 0.60 is less probably right than the base's 0.50
-    calibrated = RescueConfig(n=1, choice="calibrated", calibration=(4.0, 0.0, 4.0, -1.0))
-    assert choose(round_, calibrated, 0, 0) is round_[0]
-    assert choose(round_, RescueConfig(n=1, choice="calibrated"), 0, 0) is round_[1], "the identity: the favourite"
-    with pytest.raises(KVRescueError, match="four finite numbers"):
-        RescueConfig(calibration=(1.0, 0.0))
+    assert choose(round_, "calibrated:4,0,4,-1") is round_[0]
+    assert choose(round_, "calibrated:1,0,1,0") is round_[1], "the identity: the favourite"
+    with pytest.raises(KVRescueError, match="four numbers"):
+        RescueConfig(rule="calibrated:1,0")
+    with pytest.raises(KVRescueError, match="must be finite"):
+        RescueConfig(rule="calibrated:1,0,nan,0")
 
 
 def test_math500_train_and_eval_positions_are_disjoint_and_100_to_249_in_neither():
@@ -92,29 +96,28 @@ def test_the_fit_reads_training_rows_only_and_learns_that_the_helper_misleads():
     assert fit([*scored_by[1:], unscored], "rows").head == "head-a", "a row the fit does not read names no head"
 
 
-def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(base_path, helper_path, tiny_prm_path,
-                                                                                tmp_path):
-    (tmp_path / "preset.json").write_text(json.dumps({"recipe": {"pick_margin": 0.005}}))
-    (tmp_path / "commit.json").write_text(json.dumps({"rule": {"helper_margin": 0.1, "calibration": [1, 0, 2, -1]},
-                                                      "fit": {"problems": 3}}))
-    recipe = preset_spec(tmp_path)["recipe"]
-    assert RescueConfig().with_overrides(recipe).calibration == (1.0, 0.0, 2.0, -1.0)
-    (tmp_path / "commit.json").write_text(json.dumps({"rule": {"margin": 0.1}}))
+def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_spec(base_path, helper_path, tiny_prm_path,
+                                                                          tmp_path):
+    (tmp_path / "preset.json").write_text("{}")
+    (tmp_path / "commit.json").write_text(json.dumps({"rule": "lead:base,margin=0.1", "fit": {"problems": 3}}))
+    assert RescueConfig().with_overrides(preset_spec(tmp_path)["recipe"]).rule == parse_rule("lead:base,margin=0.1")
+    (tmp_path / "commit.json").write_text(json.dumps({"rule": {"helper_margin": 0.1}}))
     with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
         preset_spec(tmp_path)
     results = tmp_path / "rules.jsonl"
     args = ["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--modes", "bon,kvrescue", "--budgets", "32",
             "--buffer", "16", "--max-tokens", "40", "--max-step-tokens", "16", "--ns", "1", "--base", str(base_path),
             "--helper", str(helper_path), "--prm", str(tiny_prm_path), "--results", str(results),
-            "--choice", "prm,base-first,calibrated,random", "--helper-margin", "0.2"]
+            "--rule", "judge:margin=0.005", "--rule", "calibrated:1,0,2,-1", "--rule", "random",
+            "--rule", "lead:base,margin=0.2"]
     ran = CliRunner().invoke(main, args)
     assert ran.exit_code == 0, ran.output
-    settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
-    recorded = {key: {k for k in ("pick_margin", "helper_margin", "calibration") if k in s} for key, s in settings.items()}
-    assert recorded == {"bon-b32-n1-rkv": set(), "kvrescue-b32-n1-rkv": {"pick_margin"},
-                        "kvrescue-b32-n1-rkv-base-first": {"pick_margin", "helper_margin"},
-                        "kvrescue-b32-n1-rkv-calibrated": {"calibration"}, "kvrescue-b32-n1-rkv-random": set()}
-    assert settings["kvrescue-b32-n1-rkv-base-first"]["helper_margin"] == 0.2
+    rows = read_rows(results)
+    recorded = {r["config_key"]: r["setup"]["settings"].get("rule") for r in rows}
+    assert recorded == {"bon-b32-n1-rkv": None, "kvrescue-b32-n1-rkv": "judge:margin=0.005",
+                        "kvrescue-b32-n1-rkv-base-first": "lead:base,margin=0.2",
+                        "kvrescue-b32-n1-rkv-calibrated": "calibrated:1,0,2,-1", "kvrescue-b32-n1-rkv-random": None}
+    assert {r["config_key"]: r["config"]["rule"] for r in rows}["kvrescue-b32-n1-rkv-random"] == "random"
     report = CliRunner().invoke(main, ["report", str(results)])
     assert report.exit_code == 0 and "kvrescue/base-first" in report.output, report.output
     assert "kvrescue/base-first b32 n1 rkv vs bon b32 n1 rkv, on the 1 problems both ran" in report.output
@@ -122,13 +125,15 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_parameters(
     assert "kvrescue/random b32 n1 rkv vs the judge's pick" not in report.output, "random has its own line"
     assert "helper kills" not in report.output, "no row watched the helper: no such column"
     watched = tmp_path / "watched.jsonl"
-    ran = CliRunner().invoke(main, [*args[:args.index("--results") + 1], str(watched), "--choice", "base-first",
+    ran = CliRunner().invoke(main, [*args[:args.index("--results") + 1], str(watched), "--rule", "lead:base",
                                     "--helper-tau-entropy", "50", "--helper-tau-compression", "0.35"])
     assert ran.exit_code == 0, ran.output
     assert read_rows(watched)[-1]["setup"]["settings"]["helper_tau_compression"] == 0.35
     assert "helper kills" in CliRunner().invoke(main, ["report", str(watched)]).output
-    resumed = CliRunner().invoke(main, [*args[:-1], "0.3", "--resume"])
-    assert resumed.exit_code != 0 and "helper_margin 0.2 vs 0.3" in resumed.output, resumed.output
+    resumed = CliRunner().invoke(main, [*args[:-1], "lead:base,margin=0.3", "--resume"])
+    assert resumed.exit_code != 0 and "rule 'lead:base,margin=0.2' vs 'lead:base,margin=0.3'" in resumed.output, \
+        resumed.output
+    assert CliRunner().invoke(main, [*args[:-2], "--resume"]).exit_code == 0, "a sweep of fewer rules resumes"
 
 
 def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, monkeypatch):
@@ -144,7 +149,8 @@ def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, mon
     from kvrescue_local.prm import RewardHead, head_path
 
     (tmp_path / "preset.json").write_text("{}")
-    commit = {"rule": {}, "datasets": {"gsm8k": {"calibration": [1, 0, 2, -1]}, "math500": {"choice": "regime"}},
+    commit = {"rule": "judge", "datasets": {"gsm8k": "by-budget:32,calibrated:1,0,2,-1,lead:base",
+                                            "math500": "by-budget:32,judge,lead:base"},
               "fit": {"calibration": {"gsm8k": {"head_sha256": "0123456789abcdef"}, "math500": {"head_sha256": "x"}}}}
     (tmp_path / "commit.json").write_text(json.dumps(commit))
     assert preset_spec(tmp_path)["calibration_heads"] == {"gsm8k": "0123456789abcdef"}, "only a calibration's head"
@@ -154,10 +160,9 @@ def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, mon
         preset_spec(tmp_path)
     toy = presets.load_preset("toy")
     fitted = head_path(toy.prm)
-    calibration = [2.0, -1.0, 1.0, 0.0]
-    monkeypatch.setitem(presets.PRESETS, "toy", lambda: dataclasses.replace(toy, dataset_recipes={"toy": {
-        "choice": "regime", "judge_max_budget": 32, "weak_base_choice": "calibrated", "calibration": calibration}},
-        calibration_heads={"toy": file_hash(fitted)}))
+    spec = "by-budget:32,calibrated:2,-1,1,0,lead:base"
+    monkeypatch.setitem(presets.PRESETS, "toy", lambda: dataclasses.replace(toy, dataset_recipes={"toy": {"rule": spec}},
+                                                                            calibration_heads={"toy": file_hash(fitted)}))
     other = RewardHead.load(fitted)
     other = dataclasses.replace(other, weights=[w + np.float32(0.5) for w in other.weights]).save(tmp_path / "o.npz")
     args = ["bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "1", "--ns", "1", "--max-tokens", "40",
@@ -175,44 +180,46 @@ def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, mon
     errors = [line for line in refused.output.splitlines() if line.startswith("Error:")]
     assert refused.exit_code == 1 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
     assert f"head {file_hash(fitted)[:8]}" in errors[0] and f"{other} ({file_hash(other)[:8]})" in errors[0]
-    assert "--choice regime at budget 32" in errors[0] and "--choice prm" in errors[0]
+    assert f"--rule {spec} at budget 32" in errors[0] and "a --rule without calibrated" in errors[0]
     monkeypatch.setattr(bench, "open_models", opened)
     for results, given in (("fitted.jsonl", ["--modes", "kvrescue", "--budgets", "32"]),
                            ("above.jsonl", [*with_other, "--modes", "kvrescue", "--budgets", "64"]),
-                           ("prm.jsonl", [*with_other, "--modes", "kvrescue", "--budgets", "32", "--choice", "prm"]),
+                           ("prm.jsonl", [*with_other, "--modes", "kvrescue", "--budgets", "32", "--rule", "judge"]),
                            ("bon.jsonl", [*with_other, "--modes", "bon", "--budgets", "32", "--ns", "2"])):
         ran = CliRunner().invoke(main, [*args, *given, "--results", str(tmp_path / results)])
         assert ran.exit_code == 0, ran.output
     row, = read_rows(tmp_path / "fitted.jsonl")
-    assert row["config"]["choice"] == "regime" and row["setup"]["settings"]["calibration"] == calibration
+    assert row["config"]["rule"] == spec and row["setup"]["settings"]["rule"] == spec and row["config_key"].endswith("regime")
     assert row["setup"]["models"]["prm"]["head_sha256"] == file_hash(fitted)
     assert read_rows(tmp_path / "bon.jsonl")[0]["setup"]["models"]["prm"]["head_sha256"] == file_hash(other)
 
 
-@pytest.mark.parametrize("choice", ["base-first", "calibrated"])
-def test_a_rule_that_reads_rewards_loads_the_presets_prm_when_none_is_given(base_path, helper_path, choice):
+@pytest.mark.parametrize("rule", ["lead:base", "calibrated:1,0,1,0"])
+def test_a_rule_that_reads_rewards_loads_the_presets_prm_when_none_is_given(base_path, helper_path, rule):
     ran = CliRunner().invoke(main, ["solve", "--mode", "kvrescue", "-n", "1", "--budget", "32", "--buffer", "16",
                                     "--max-tokens", "40", "--base", str(base_path), "--helper", str(helper_path),
-                                    "--choice", choice, "1+1?"])
+                                    "--rule", rule, "1+1?"])
     assert ran.exit_code == 0, ran.output
+    assert f"rule: {rule} (--rule)" in ran.output
 
 
-def test_the_regime_rule_is_the_judge_up_to_its_budget_and_base_first_above():
-    from kvrescue_local.eviction import KVBudget
-
+def test_the_rule_by_budget_is_its_first_rule_up_to_its_budget_and_its_second_above():
     round_ = drafts(("base", 0.40), ("helper", 0.60))
-    small, large = (RescueConfig(n=1, choice="regime", judge_max_budget=32, kv=KVBudget(budget=b)) for b in (32, 64))
-    assert (small.rule, large.rule) == ("prm", "base-first")
-    assert choose(round_, small, 0, 0) is round_[1], "at 32 the judge's favourite, the helper's step"
-    assert choose(round_, large, 0, 0) is round_[0], "at 64 the base's step"
-    assert RescueConfig(choice="regime").rule == "base-first", "nothing fitted: the base's step first everywhere"
-    assert RescueConfig(choice="random", judge_max_budget=512).rule == "random"
-    led = RescueConfig(n=1, choice="regime", judge_max_budget=32, weak_base_choice="helper-first", kv=KVBudget(budget=32))
-    assert led.rule == "helper-first" and choose(drafts(("base", 0.60), ("helper", 0.40)), led, 0, 0).side == "helper"
-    with pytest.raises(KVRescueError, match="--judge-max-budget must be 0 or more"):
-        RescueConfig(judge_max_budget=-1)
-    with pytest.raises(KVRescueError, match="unknown weak-base choice 'random'"):
-        RescueConfig(weak_base_choice="random")
+    rule = parse_rule("by-budget:32,judge,lead:base")
+    assert (rule.at_budget(32).spec, rule.at_budget(64).spec) == ("judge", "lead:base")
+    assert choose(round_, rule.spec, 32) is round_[1], "at 32 the judge's favourite, the helper's step"
+    assert choose(round_, rule.spec, 64) is round_[0], "at 64 the base's step"
+    assert parse_rule("by-budget:0,judge,lead:base").at_budget(1).spec == "lead:base", "0: the second everywhere"
+    led = parse_rule("by-budget:32,lead:helper,lead:base")
+    assert led.at_budget(32).choose(drafts(("base", 0.60), ("helper", 0.40)), (0, 0, 0)).side == "helper"
+    nested = parse_rule("arith:by-budget:32,by-budget:16,random,judge,lead:base,margin=0")
+    assert [nested.at_budget(b).spec for b in (16, 32, 64)] == ["arith:random", "arith:judge", "arith:lead:base,margin=0"]
+    assert nested.key_name == "regime" and nested.checks_arithmetic and nested.needs_judge
+    assert not parse_rule("by-budget:32,random,random").needs_judge
+    with pytest.raises(KVRescueError, match="by-budget's budget is 0 or more"):
+        RescueConfig(rule="by-budget:-1,judge,judge")
+    with pytest.raises(KVRescueError, match="unknown rule 'prm'"):
+        RescueConfig(rule="by-budget:32,prm,judge")
 
 
 def sweep_row(dataset, problem_id, mode, correct, budget=0, n=1, policy="rkv"):
@@ -238,8 +245,7 @@ def test_the_regime_budget_is_fitted_per_dataset_on_training_rows_where_the_evic
         (32, 10, 1, 3), (64, 10, 3, 3), (128, 10, 1, 3)]
     # the judge was trained and calibrated on GSM8K's steps, not MATH500's: there the helper, the stronger writer, leads
     assert {d: f.weak_base_choice for d, f in fits.items()} == {"gsm8k": "calibrated", "math500": "helper-first"}
-    assert default_rule(f.rule() for f in fits.values()) == {
-        "choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"}
+    assert default_rule(f.rule() for f in fits.values()) == {"judge_max_budget": 32, "weak_base_choice": "helper-first"}
     assert default_rule([fits["gsm8k"].rule()])["weak_base_choice"] == "helper-first", "no dataset: no calibration"
     assert {f.weak_base_choice for f in fit_regime(rows, "rows")} == {"helper-first"}, "no judge rows: no dataset judged"
     uncalibrated = {f.weak_base_choice for f in fit_regime(rows, "rows", {"gsm8k", "math500"})}
@@ -256,45 +262,44 @@ def test_the_regime_budget_is_fitted_per_dataset_on_training_rows_where_the_evic
         fit_regime([*rows, sweep_row("gsm8k", "1", "bon", True, 64, policy="snapkv")], "rows")
 
 
-def test_a_preset_holds_a_rule_per_dataset_and_the_regime_rule_runs_the_judge_or_base_first_by_budget(
+def test_a_preset_holds_a_rule_per_dataset_and_the_rule_by_budget_runs_the_judge_or_the_base_first(
         base_path, helper_path, tiny_prm_path, tmp_path):
     from kvrescue_local.compose import preset_config
     from kvrescue_local.presets import Preset
 
-    (tmp_path / "preset.json").write_text(json.dumps({"recipe": {"pick_margin": 0.005}}))
+    (tmp_path / "preset.json").write_text("{}")
     (tmp_path / "commit.json").write_text(json.dumps({
-        "rule": {"choice": "regime", "judge_max_budget": 32},
-        "datasets": {"gsm8k": {"choice": "regime", "judge_max_budget": 64}}}))
+        "rule": "by-budget:32,judge,lead:base", "datasets": {"gsm8k": "by-budget:64,calibrated:1,0,2,-1,lead:base"}}))
     preset = Preset("p", base_path, helper_path, tiny_prm_path, **preset_spec(tmp_path))
-    assert [preset_config(preset, d).judge_max_budget for d in (None, "math500", "gsm8k")] == [32, 32, 64]
-    assert preset_config(preset, "gsm8k", judge_max_budget=16).judge_max_budget == 16, "the command line wins"
-    (tmp_path / "commit.json").write_text(json.dumps({"rule": {}, "datasets": {"gsm8k": {"budget": 3}}}))
+    assert [preset_config(preset, d).rule.budget for d in (None, "math500", "gsm8k")] == [32, 32, 64]
+    assert preset_config(preset, "gsm8k", rule="judge").rule.spec == "judge", "the command line wins"
+    assert preset_config(preset, "gsm8k", rule="calibrated").rule.spec == "calibrated:1,0,2,-1", \
+        "a calibrated rule without numbers takes the preset's for the dataset"
+    assert preset_config(preset, None, rule="calibrated").rule.spec == "calibrated", "none fitted: as given"
+    (tmp_path / "commit.json").write_text(json.dumps({"rule": "judge", "datasets": {"gsm8k": "by-budget:3"}}))
     with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
         preset_spec(tmp_path)
     results = tmp_path / "regime.jsonl"
-    ran = CliRunner().invoke(main, [
-        "bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns", "1",
-        "--budgets", "32,64", "--results", str(results), "--choice", "prm,base-first,helper-first,regime",
-        "--judge-max-budget", "32"])
+    sweep = ["bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns", "1"]
+    ran = CliRunner().invoke(main, [*sweep, "--budgets", "32,64", "--results", str(results), "--rule", "judge",
+                                    "--rule", "lead:base", "--rule", "lead:helper", "--rule", "by-budget:32,judge,lead:base"])
     assert ran.exit_code == 0, ran.output
+    assert ran.output.count("rule: by-budget:32,judge,lead:base (--rule)") == 1, "said once"
     led = tmp_path / "led.jsonl"
-    ran = CliRunner().invoke(main, [
-        "bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns", "1",
-        "--budgets", "32", "--results", str(led), "--choice", "regime", "--judge-max-budget", "32",
-        "--weak-base-choice", "helper-first"])
+    ran = CliRunner().invoke(main, [*sweep, "--budgets", "32", "--results", str(led),
+                                    "--rule", "by-budget:32,lead:helper,lead:base"])
     assert ran.exit_code == 0, ran.output
     sources, led_sources = ({(r["id"], r["config_key"]): "".join(s["source"][0] for s in r["trajectory"]["steps"])
                              for r in read_rows(path)} for path in (results, led))
     settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
-    assert settings["kvrescue-b64-n1-rkv-regime"]["judge_max_budget"] == 32
-    assert settings["kvrescue-b32-n1-rkv-helper-first"]["base_margin"] == 1.0
-    assert "judge_max_budget" not in settings["kvrescue-b64-n1-rkv-base-first"]
-    assert read_rows(led)[0]["setup"]["settings"]["weak_base_choice"] == "helper-first"
+    assert settings["kvrescue-b64-n1-rkv-regime"]["rule"] == "by-budget:32,judge,lead:base"
+    assert settings["kvrescue-b32-n1-rkv-helper-first"]["rule"] == "lead:helper"
+    assert read_rows(led)[0]["setup"]["settings"]["rule"] == "by-budget:32,lead:helper,lead:base"
     for problem in ("toy-0", "toy-1"):
         helper_led = sources[problem, "kvrescue-b32-n1-rkv-helper-first"]
         assert set(helper_led) == {"h"}, "no helper candidate died: every step is the helper's"
         assert led_sources[problem, "kvrescue-b32-n1-rkv-regime"] == helper_led
-    for problem in ("toy-0", "toy-1"):
+    for problem in ("toy-0", "toy-1"):  # the composition's trajectory is its part's at each budget
         assert sources[problem, "kvrescue-b32-n1-rkv-regime"] == sources[problem, "kvrescue-b32-n1-rkv"]
         assert sources[problem, "kvrescue-b64-n1-rkv-regime"] == sources[problem, "kvrescue-b64-n1-rkv-base-first"]
         # the two rules commit other sources on these problems (b: base, h: helper), so the agreement says which ran
@@ -345,11 +350,10 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
                           "--write", str(tmp_path / "calibrated.json")], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stderr
     fitted = json.loads((tmp_path / "calibrated.json").read_text())
-    assert fitted["datasets"]["math500"]["weak_base_choice"] == "calibrated"
-    assert len(fitted["datasets"]["math500"]["calibration"]) == 4 and "helper_margin" in fitted["datasets"]["math500"]
-    assert fitted["datasets"]["gsm8k"]["weak_base_choice"] == "helper-first"
-    assert "calibration" not in fitted["datasets"]["gsm8k"]
-    assert "calibration" not in fitted["rule"] and fitted["rule"]["weak_base_choice"] == "helper-first"
+    math500, gsm8k = (parse_rule(fitted["datasets"][d]) for d in ("math500", "gsm8k"))
+    assert math500.up_to.name == "calibrated" and len(math500.up_to.fit) == 4 and math500.above.name == "lead"
+    assert gsm8k.up_to.spec == "lead:helper,pick=0.005" and "calibrated" not in fitted["datasets"]["gsm8k"]
+    assert "calibrated" not in fitted["rule"] and parse_rule(fitted["rule"]).up_to.spec == "lead:helper,pick=0.005"
     assert fitted["fit"]["calibration"]["math500"]["rows"] == ["kvrescue.jsonl"]
     for missing in ([str(tmp_path / "nope.jsonl")], [*training, "--judge-rows", str(tmp_path / "nope.jsonl")]):
         failed = subprocess.run([*script, *missing], capture_output=True, text=True)
@@ -362,28 +366,159 @@ def test_the_shipped_regime_rules_are_refitted_from_the_committed_training_rows(
     assert failed.returncode == 1 and "no KV-Rescue or evicted best-of-N rows" in failed.stderr, failed.stderr
 
 
-def test_rows_from_before_the_weak_base_rule_was_recorded_resume_and_merge_only_with_the_judges_pick(tmp_path):
-    """Regime rows written before the weak-base rule was a setting ran the judge's pick: resuming or merging them with
-    rows of another rule is refused, naming both; with the judge's pick they resume. The toy preset, two problems."""
+OLD_ROWS = [  # the rule fields of rows written before rules were specs, and the spec each reads as
+    ({"choice": "prm", "pick_margin": 0.005}, "judge:margin=0.005"),
+    ({}, "judge"),
+    ({"choice": "random"}, "random"),
+    ({"choice": "base-first", "pick_margin": 0.005, "helper_margin": 1.0, "judge_max_budget": 0}, "lead:base,pick=0.005"),
+    ({"choice": "helper-first", "base_margin": 0.3}, "lead:helper,margin=0.3"),
+    ({"choice": "calibrated", "calibration": [2.0, -1.0, 1.0, 0.0]}, "calibrated:2,-1,1,0"),
+    ({"choice": "regime", "pick_margin": 0.005, "helper_margin": 1.0, "judge_max_budget": 64},
+     "by-budget:64,judge:margin=0.005,lead:base,pick=0.005"),
+    ({"choice": "regime", "pick_margin": 0.005, "helper_margin": 0.0, "base_margin": 1.0, "judge_max_budget": 64,
+      "calibration": [1.5, -2.0, 2.5, -3.0], "weak_base_choice": "calibrated", "check_arithmetic": True},
+     "arith:by-budget:64,calibrated:1.5,-2,2.5,-3,lead:base,margin=0,pick=0.005"),
+    ({"choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first", "check_arithmetic": False},
+     "by-budget:32,lead:helper,lead:base"),
+]
+
+
+@pytest.mark.parametrize("fields, spec", OLD_ROWS)
+def test_a_row_written_before_rules_were_specs_reads_as_its_rule(fields, spec):
+    from kvrescue_local.bench.results_file import upgrade
+
+    row = {"config": {"mode": "kvrescue", "n": 1, "budget": 32, **fields},
+           "setup": {"settings": {"seed": 0, **{k: v for k, v in fields.items() if k not in ("choice", "check_arithmetic")}}}}
+    upgraded = upgrade(row)
+    assert upgraded["config"]["rule"] == spec and not set(fields) & set(upgraded["config"])
+    assert upgraded["setup"]["settings"].get("rule") == (None if spec == "random" else spec)
+    assert not set(fields) & set(upgraded["setup"]["settings"])
+
+
+def test_rows_written_before_rules_were_specs_resume_and_merge_with_the_rule_they_ran(tmp_path):
+    """Rows of the old fields (a by-budget rule written as choice regime with judge_max_budget, and no
+    weak_base_choice, from before that was recorded: the judge's pick) resume under the spec they read as, and are
+    refused, naming both specs, under another; merged with rows the spec wrote, they are one configuration."""
     def sweep(results, rule, limit="1"):
         return CliRunner().invoke(main, [
             "bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", limit, "--modes", "full,kvrescue",
-            "--ns", "1", "--budgets", "32", "--results", str(results), "--choice", "regime", "--judge-max-budget",
-            "32", "--weak-base-choice", rule, "--resume"])
+            "--ns", "1", "--budgets", "32", "--results", str(results), "--rule", rule, "--resume"])
 
     old = tmp_path / "old.jsonl"
-    assert sweep(old, "prm").exit_code == 0
-    rows = read_rows(old)
-    for row in rows:
-        row["setup"]["settings"].pop("weak_base_choice", None)
+    assert sweep(old, "by-budget:32,judge,lead:base").exit_code == 0
+    rows = [json.loads(line) for line in old.read_text().splitlines()]
+    for row in rows:  # as the version before rule specs wrote them
+        row["config"].pop("rule")
+        row["config"].update({"choice": "regime" if row["config"]["mode"] == "kvrescue" else "prm",
+                              "check_arithmetic": False})
+        if row["setup"]["settings"].pop("rule", None):
+            row["config"].update({"pick_margin": 0.0, "helper_margin": 1.0, "judge_max_budget": 32})
+            row["setup"]["settings"].update({"pick_margin": 0.0, "helper_margin": 1.0, "judge_max_budget": 32})
     old.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    refused = sweep(old, "calibrated", limit="2")
-    assert refused.exit_code != 0 and "weak_base_choice 'prm' vs 'calibrated'" in refused.output, refused.output
+    assert {r["config"]["rule"] for r in read_rows(old)} == {"judge", "by-budget:32,judge,lead:base"}
+    refused = sweep(old, "by-budget:32,calibrated:1,0,1,0,lead:base", limit="2")
+    assert refused.exit_code != 0 and "'by-budget:32,judge,lead:base' vs 'by-budget:32,calibrated:1,0,1,0,lead:base'" \
+        in refused.output, refused.output
     assert len(read_rows(old)) == len(rows), "nothing written"
-    resumed = sweep(old, "prm", limit="2")
+    resumed = sweep(old, "by-budget:32,judge,lead:base", limit="2")
     assert resumed.exit_code == 0, resumed.output
     assert len(read_rows(old)) == 2 * len(rows)
     new = tmp_path / "new.jsonl"
-    assert sweep(new, "calibrated").exit_code == 0
+    assert sweep(new, "by-budget:32,judge,lead:base", limit="2").exit_code == 0
     merged = CliRunner().invoke(main, ["bench", "merge", str(old), str(new), "--out", str(tmp_path / "m.jsonl")])
-    assert merged.exit_code != 0 and "weak_base_choice" in merged.output, merged.output
+    assert merged.exit_code == 0, merged.output
+    other = tmp_path / "other.jsonl"
+    assert sweep(other, "by-budget:32,lead:helper,lead:base").exit_code == 0
+    refused = CliRunner().invoke(main, ["bench", "merge", str(old), str(other), "--out", str(tmp_path / "o.jsonl")])
+    assert refused.exit_code != 0 and "rule 'by-budget:32,judge,lead:base'" in refused.output, refused.output
+
+
+SPECS = ["judge", "judge:margin=0.005", "random", "lead:base", "lead:helper,margin=0.2,pick=0.005", "calibrated:1,0,1,0",
+         "by-budget:32,judge,lead:base", "arith:by-budget:32,random,lead:helper"]
+
+
+def test_every_registered_rule_solves_through_llama_cpp_on_the_toy_preset():
+    from kvrescue_local.rescue.rules import RULES
+
+    assert {parse_rule(spec).name for spec in SPECS} | {"arith"} >= set(RULES), "a spec of every registered rule"
+    for spec in SPECS:
+        ran = CliRunner().invoke(main, ["solve", "--preset", "toy", "-t", "1", "-n", "2", "--budget", "32",
+                                        "--rule", spec, "a=3 b=4\nCompute 2 terms: a+b."])
+        assert ran.exit_code == 0, (spec, ran.output)
+        assert f"rule: {spec} (--rule)" in ran.output and "answer:" in ran.output, ran.output
+
+
+def test_the_old_rule_options_and_a_bad_spec_are_one_error_line_each():
+    for args, says in ((["--choice", "prm"], "--choice is gone: commit rules are specs now, pass --rule judge"),
+                       (["--choice", "regime"], "pass --rule by-budget:BUDGET,judge,lead:base"),
+                       (["--pick-margin", "0.005"], "pass --rule judge:margin=0.005"),
+                       (["--helper-margin", "0.3"], "pass --rule lead:base,margin=0.3"),
+                       (["--judge-max-budget", "32"], "pass --rule by-budget:32,judge,lead:base"),
+                       (["--weak-base-choice", "calibrated"], "pass --rule by-budget:BUDGET,calibrated,lead:base"),
+                       (["--check-arithmetic"], "pass --rule arith:RULE"),
+                       (["--rule", "bogus"], "--rule 'bogus' is not a rule spec (unknown rule 'bogus'): write one of "
+                                             "judge[:margin=M]"),
+                       (["--rule", "lead:base,margin=2"], "lead's margin must be in [0, 1]")):
+        for command in (["solve"], ["bench", "run", "--results", "x.jsonl"], ["serve"]):
+            ran = CliRunner().invoke(main, [*command, *args, "1+1?"] if command == ["solve"] else [*command, *args])
+            errors = [line for line in ran.output.splitlines() if line.startswith("Error:")]
+            assert ran.exit_code != 0 and len(errors) == 1 and says in errors[0], (command, args, ran.output)
+            assert "Traceback" not in ran.output and len(ran.output.strip().splitlines()) == 1, ran.output
+    listing = CliRunner().invoke(main, ["solve", "--rule", "bogus", "x"]).output
+    for usage in ("random", "lead:SIDE[,margin=M,pick=P]", "calibrated[:BS,BB,HS,HB]", "by-budget:B,RULE,RULE",
+                  "arith:RULE"):
+        assert usage in listing, "a bad spec lists every rule and its parameters"
+    for command in (["solve"], ["bench", "run"], ["serve"]):
+        shown = CliRunner().invoke(main, [*command, "--help"]).output
+        assert "--rule" in shown and not any(old in shown for old in ("--choice", "--pick-margin", "--helper-margin",
+                                                                      "--base-margin", "--judge-max-budget",
+                                                                      "--weak-base-choice", "--check-arithmetic"))
+
+
+def test_the_coder_presets_specs_say_what_its_rule_fields_said():
+    """The coder preset's rules, written as fields before rules were specs (its preset.json's pick margin laid under
+    its commit.json's rule settings), read as the specs it now ships: its trajectories are the ones they were."""
+    from kvrescue_local.bench.results_file import old_rule
+    from kvrescue_local.paths import SHIPPED_MODELS
+
+    before = {"rule": {"choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"},
+              "gsm8k": {"choice": "regime", "judge_max_budget": 64, "weak_base_choice": "calibrated",
+                        "helper_margin": 0.0, "calibration": [1.959263, -2.365101, 2.66623, -2.798793],
+                        "check_arithmetic": True},
+              "math500": {"choice": "regime", "judge_max_budget": 32, "weak_base_choice": "helper-first"}}
+    spec = preset_spec(SHIPPED_MODELS / "coder")
+    now = {"rule": spec["recipe"]["rule"], **{d: r["rule"] for d, r in spec["dataset_recipes"].items()}}
+    assert now == {name: old_rule({"pick_margin": 0.005, **fields}).spec for name, fields in before.items()}
+
+
+def test_a_data_file_takes_the_rule_fitted_for_the_dataset_it_names(tmp_path, monkeypatch):
+    """`bench run --data FILE` holds problems of no named dataset: the preset's default rule applies, and says so
+    with the datasets it fitted others for; `--fitted-for NAME` applies NAME's, and names it; an unknown NAME is one
+    Error line."""
+    import dataclasses
+
+    from kvrescue_local import presets
+
+    toy = presets.load_preset("toy")
+    monkeypatch.setitem(presets.PRESETS, "toy", lambda: dataclasses.replace(
+        toy, recipe={**toy.recipe, "rule": "judge"}, dataset_recipes={"toy": {"rule": "lead:helper"}}))
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"id": p.id, "problem": p.problem, "answer": p.answer}) + "\n"
+                            for p in load_dataset("toy").problems[:1]))
+    args = ["bench", "run", "--data", str(data), "--preset", "toy", "-t", "1", "--modes", "kvrescue", "--ns", "1",
+            "--budgets", "32"]
+    plain = CliRunner().invoke(main, [*args, "--results", str(tmp_path / "plain.jsonl")])
+    assert plain.exit_code == 0, plain.output
+    assert "rule: judge (the toy preset's default; --fitted-for NAME takes the one fitted for toy)" in plain.output
+    fitted = CliRunner().invoke(main, [*args, "--fitted-for", "toy", "--results", str(tmp_path / "fitted.jsonl")])
+    assert fitted.exit_code == 0, fitted.output
+    assert fitted.output.count("rule: lead:helper (the toy preset's, fitted for toy: --fitted-for toy)") == 1
+    assert read_rows(tmp_path / "fitted.jsonl")[0]["config"]["rule"] == "lead:helper"
+    named = CliRunner().invoke(main, [*args[:2], "--dataset", "toy", *args[4:], "--results", str(tmp_path / "n.jsonl")])
+    assert "rule: lead:helper (the toy preset's, fitted for toy: --dataset toy)" in named.output, named.output
+    solved = CliRunner().invoke(main, ["solve", "--preset", "toy", "-t", "1", "--fitted-for", "toy", "1+1?"])
+    assert "rule: lead:helper (the toy preset's, fitted for toy: --fitted-for toy)" in solved.output, solved.output
+    unknown = CliRunner().invoke(main, [*args, "--fitted-for", "gsm8k", "--results", str(tmp_path / "u.jsonl")])
+    errors = [line for line in unknown.output.splitlines() if line.startswith("Error:")]
+    assert unknown.exit_code == 1 and errors == ["Error: --fitted-for gsm8k: the toy preset fitted rules for toy only; "
+                                                 "pass one of those, or --rule SPEC"], unknown.output

@@ -64,8 +64,8 @@ def check_command(words: list[str]) -> list[str]:
         if name not in command.commands:
             return [f"`{' '.join(path)}` has no command `{name}` (it has: {', '.join(sorted(command.commands))})"]
         command, path = command.commands[name], [*path, name]
-    accepted = {"--help"} | {opt for p in command.params if isinstance(p, click.Option)
-                             for opt in (*p.opts, *p.secondary_opts)}
+    accepted = {"--help"} | {opt for p in command.params if isinstance(p, click.Option) and not p.hidden
+                             for opt in (*p.opts, *p.secondary_opts)}  # a hidden option is one refused
     problems = []
     for word in words:
         if word == "--":

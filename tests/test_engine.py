@@ -184,7 +184,7 @@ def test_base_first_is_evicted_best_of_n_until_a_kill_or_the_margin(toy):
     problems = [p.text for p in held_out(8)]
     common = dict(n=1, kv={"budget": 96}, **cache_fields("f32", "f32"))
     bon, _ = solve_all(toy, preset_config(toy[0], mode="bon", **common), problems, 4)
-    first, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", choice="base-first", helper_margin=1.0, **common),
+    first, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", rule="lead:base", **common),
                          problems, 4)
     compared = 0
     for problem in problems:
@@ -202,6 +202,6 @@ def test_base_first_is_evicted_best_of_n_until_a_kill_or_the_margin(toy):
             assert ours.steps[kill].source == "helper"
     assert compared >= 2 * len(problems), "enough rounds before a kill for the comparison to say something"
     assert any(t.killed == 0 for t in first.values()), "a problem without a kill, compared whole"
-    eager, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", choice="base-first", helper_margin=0.0, **common),
+    eager, _ = solve_all(toy, preset_config(toy[0], mode="kvrescue", rule="lead:base,margin=0", **common),
                          problems, 4)
     assert any(s.source == "helper" and not s.killed for t in eager.values() for s in t.steps)

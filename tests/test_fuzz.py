@@ -276,7 +276,8 @@ RUN = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(
 def solve_args(draw):
     table = {**SEARCH, "-n": st.sampled_from(["-1", "0", "1", "2", "3"]), "--budget": st.sampled_from(SIZES),
              "--mode": st.sampled_from(["full", "bon", "helper", "kvrescue", "x"]),
-             "--policy": st.sampled_from(POLICIES), "--choice": st.sampled_from(["prm", "random", "x"]),
+             "--policy": st.sampled_from(POLICIES),
+             "--rule": st.sampled_from(["judge", "random", "x", "by-budget:16,judge,lead:base"]),
              "--json": st.sampled_from(["out.json", "missing/out.json", "adir", "link.json", "fifo", "other.txt"]),
              "--file": st.sampled_from(["other.txt", "latin1.jsonl", "empty.jsonl", "adir", "nope.txt", "fifo"]),
              "--prm": st.sampled_from(["nanhead/prm.gguf", "infhead/prm.gguf"])}
@@ -291,7 +292,7 @@ def bench_run_args(draw):
              "--modes": st.sampled_from(["full", "full,bon", "kvrescue", "helper,bon", "", "x", "full,full"]),
              "--budgets": st.sampled_from(["", "16", "16,32", "0", "x", ",", "100000000"]),
              "--ns": st.sampled_from(["", "1", "1,2", "0", "x"]), "--policies": st.sampled_from(POLICIES),
-             "--choice": st.sampled_from(["prm", "random", "prm,random", "", "x"]),
+             "--rule": st.sampled_from(["judge", "random", "", "x", "arith:lead:helper,margin=0.2"]),
              "--shard": st.sampled_from(["0/2", "1/2", "3/2", "x", "0/0"]), "--resume": None,
              "--concurrency": st.sampled_from(["-1", "0", "1", "2", "64"]),
              "--memory": st.sampled_from(["1G", "0", "x", "1", "300K", *HUGE_SIZES]),

@@ -26,7 +26,8 @@ from kvrescue_local.prmtrain.pipeline import (JUDGE_CTX, Rollouts, evaluate, fea
 from kvrescue_local.rescue import Candidate, Rescue, RescueConfig, Trajectory
 from kvrescue_local.rescue.judge import HelperJudge
 from kvrescue_local.rescue.generator import Draft
-from kvrescue_local.rescue.loop import choose, problem_key
+from kvrescue_local.rescue.loop import problem_key
+from kvrescue_local.rescue.rules import Judge, Random
 
 from test_rescue import PROBLEM, config, without_timings
 
@@ -177,29 +178,29 @@ def test_head_errors_are_one_line(toy_backbone, tiny_prm_path, base_path, helper
 
 def test_random_choice_needs_no_prm_is_reproducible_and_recorded(base_model, helper_model, base_path, helper_path,
                                                                  tiny_prm_path, tmp_path):
-    cfg = config(mode="kvrescue", n=2, choice="random")
+    cfg = config(mode="kvrescue", n=2, rule="random")
     engine = Rescue(cfg, base_model, helper_model, None)
     first = engine.solve(PROBLEM)
     assert without_timings(first) == without_timings(Rescue(cfg, base_model, helper_model, None).solve(PROBLEM))
     assert all(s.score is None for s in first.steps)
-    assert first.config["choice"] == "random"
+    assert first.config["rule"] == "random"
     drafts = list(range(4))
-    picks = {choose(drafts, cfg, problem_key(f"problem {p}"), r) for p in range(5) for r in range(5)}
+    picks = {Random().choose(drafts, (0, problem_key(f"problem {p}"), r)) for p in range(5) for r in range(5)}
     assert picks == set(drafts), "every survivor gets drawn"
-    assert choose(drafts, cfg, problem_key("x"), 3) == choose(drafts, cfg, problem_key("x"), 3)
-    with pytest.raises(KVRescueError, match="unknown choice 'best'"):
-        RescueConfig(choice="best")
+    assert Random().choose(drafts, (0, problem_key("x"), 3)) == Random().choose(drafts, (0, problem_key("x"), 3))
+    with pytest.raises(KVRescueError, match="unknown rule 'best'"):
+        RescueConfig(rule="best")
 
     results = tmp_path / "both.jsonl"
     args = ["bench", "run", "--dataset", "gsm8k", "--limit", "2", "--modes", "kvrescue", "--ns", "1", "--budgets", "32",
             "--buffer", "16", "--max-tokens", "40", "--max-step-tokens", "16", "--tau-entropy", "50",
-            "--choice", "prm,random", "--base", str(base_path), "--helper", str(helper_path), "--prm", str(tiny_prm_path),
+            "--rule", "judge", "--rule", "random", "--base", str(base_path), "--helper", str(helper_path), "--prm", str(tiny_prm_path),
             "--results", str(results)]
     ran = CliRunner().invoke(main, args)
     assert ran.exit_code == 0, ran.output
     rows = read_rows(results)
     assert {r["config_key"] for r in rows} == {"kvrescue-b32-n1-rkv", "kvrescue-b32-n1-rkv-random"}
-    assert {r["config"]["choice"] for r in rows} == {"prm", "random"}
+    assert {r["config"]["rule"] for r in rows} == {"judge", "random"}
     report = CliRunner().invoke(main, ["report", str(results)])
     assert report.exit_code == 0 and "kvrescue/random" in report.output
 
@@ -207,32 +208,34 @@ def test_random_choice_needs_no_prm_is_reproducible_and_recorded(base_model, hel
 def test_a_pick_margin_takes_the_first_survivor_near_the_best_and_is_recorded_where_a_prm_picks(
         base_path, helper_path, tiny_prm_path, tmp_path):
     drafts = [Draft("base", i, -1, score=s) for i, s in enumerate([0.500, 0.512, 0.509, 0.2])]
-    assert choose(drafts, config(n=2), 0, 0) is drafts[1], "margin 0: the favourite"
-    assert choose(drafts, config(n=2, pick_margin=0.005), 0, 0) is drafts[1]
-    assert choose(drafts, config(n=2, pick_margin=0.02), 0, 0) is drafts[0], "the first within 0.02 of the best"
-    with pytest.raises(KVRescueError, match="--pick-margin must be in"):
-        RescueConfig(pick_margin=1.5)
+    assert Judge().choose(drafts, (0, 0, 0)) is drafts[1], "margin 0: the favourite"
+    assert Judge(0.005).choose(drafts, (0, 0, 0)) is drafts[1]
+    assert Judge(0.02).choose(drafts, (0, 0, 0)) is drafts[0], "the first within 0.02 of the best"
+    with pytest.raises(KVRescueError, match="judge's margin must be in"):
+        RescueConfig(rule="judge:margin=1.5")
     results = tmp_path / "margin.jsonl"
     common = ["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--modes", "kvrescue", "--budgets", "32",
               "--buffer", "16", "--max-tokens", "40", "--max-step-tokens", "16", "--base", str(base_path),
               "--helper", str(helper_path), "--prm", str(tiny_prm_path), "--results", str(results)]
-    assert CliRunner().invoke(main, [*common, "--ns", "2", "--pick-margin", "0.01", "--choice", "prm,random"]).exit_code == 0
+    ran = CliRunner().invoke(main, [*common, "--ns", "2", "--rule", "judge:margin=0.01", "--rule", "random"])
+    assert ran.exit_code == 0, ran.output
     settings = {r["config_key"]: r["setup"]["settings"] for r in read_rows(results)}
-    assert settings["kvrescue-b32-n2-rkv"]["pick_margin"] == 0.01
-    assert "pick_margin" not in settings["kvrescue-b32-n2-rkv-random"], "no PRM picks: the margin is no setting"
+    assert settings["kvrescue-b32-n2-rkv"]["rule"] == "judge:margin=0.01"
+    assert "rule" not in settings["kvrescue-b32-n2-rkv-random"], "no PRM picks: the rule is no setting"
     report = CliRunner().invoke(main, ["report", str(results)])
     assert "PRM vs random choice, kvrescue b32 n2 rkv, on the 1 problems" in report.output, report.output
     # a row from before the margin was a setting was picked by the favourite, and reads so
     legacy = tmp_path / "legacy.jsonl"
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    for row in rows:
-        row["setup"]["settings"].pop("pick_margin", None)
-        row["config"].pop("pick_margin", None)
+    for row in rows:  # as written before rules were specs, and before the margin was a setting
+        row["setup"]["settings"].pop("rule", None)
+        row["config"]["choice"] = row["config"].pop("rule").replace("judge:margin=0.01", "prm")
     legacy.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert {r["config_key"]: r["setup"]["settings"].get("pick_margin") for r in read_rows(legacy)} == {
-        "kvrescue-b32-n2-rkv": 0.0, "kvrescue-b32-n2-rkv-random": None}
-    refused = CliRunner().invoke(main, [*common[:-1], str(legacy), "--ns", "2", "--pick-margin", "0.01", "--resume"])
-    assert refused.exit_code != 0 and "pick_margin 0.0 vs 0.01" in refused.output, refused.output
+    assert {r["config_key"]: r["setup"]["settings"].get("rule") for r in read_rows(legacy)} == {
+        "kvrescue-b32-n2-rkv": "judge", "kvrescue-b32-n2-rkv-random": None}
+    refused = CliRunner().invoke(main, [*common[:-1], str(legacy), "--ns", "2", "--rule", "judge:margin=0.01",
+                                        "--resume"])
+    assert refused.exit_code != 0 and "rule 'judge' vs 'judge:margin=0.01'" in refused.output, refused.output
 
 
 def test_prm_train_command_end_to_end_on_the_toy_preset(toy_rollouts, tmp_path, monkeypatch):

@@ -184,7 +184,7 @@ def test_unsupported_cache_types_are_one_error_line(args, expected):
 @pytest.mark.parametrize("cache", ["q8_0", "q4_0"])
 def test_eviction_per_head_runs_on_quantized_caches(base_path, helper_path, cache, tmp_path):
     record = tmp_path / "t.json"
-    result = invoke("solve", "--mode", "bon", "-n", "2", "--choice", "random", "--budget", "16", "--buffer", "8",
+    result = invoke("solve", "--mode", "bon", "-n", "2", "--rule", "random", "--budget", "16", "--buffer", "8",
                     "--base", base_path, "--helper", helper_path, "--max-tokens", "96", "--evict-prompt",
                     "-ctk", cache, "-ctv", cache, "-fa", "on", "--json", record, TOY)
     assert result.exit_code == 0, result.output

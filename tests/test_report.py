@@ -199,10 +199,10 @@ def test_prm_and_random_choice_are_compared_on_the_problems_both_ran(tmp_path):
     chosen = synthetic("kvrescue", 4, 64, [True, True, True, False])
     drawn = synthetic("kvrescue", 4, 64, [True, False, False])  # q3 not run at random: left out
     for row in drawn:
-        row["config"]["choice"] = "random"
+        row["config"]["rule"] = "random"
     other_budget = synthetic("kvrescue", 4, 128, [False, False])
     for row in other_budget:
-        row["config"]["choice"] = "random"
+        row["config"]["rule"] = "random"
     rows = load_results(write_jsonl(tmp_path / "r.jsonl", chosen + drawn + other_budget))
     (c,) = choice_comparisons(rows)
     assert (c.a.budget, c.problems, c.a_pass1, c.b_pass1) == (64, 3, 100.0, pytest.approx(100 / 3))
@@ -231,17 +231,17 @@ def test_a_configuration_run_again_counts_each_problem_once_also_beside_rows_fro
 def test_a_checked_configuration_is_compared_with_the_same_unchecked_and_counts_what_it_set_aside(tmp_path):
     unchecked = synthetic("kvrescue", 1, 64, [True, False, False, False])
     checked = synthetic("kvrescue", 1, 64, [True, True, False])
+    rule = "by-budget:64,calibrated:1,0,1,0,lead:base"
     for i, row in enumerate(checked):
-        row["config"].update(choice="regime", check_arithmetic=True)
+        row["config"]["rule"] = f"arith:{rule}"
         row["arithmetic_demoted"] = i
     for row in unchecked:
-        row["config"]["choice"] = "regime"
+        row["config"]["rule"] = rule
     refit = synthetic("kvrescue", 1, 64, [False, False, False])  # checked, with another calibration: not paired
     for row in refit:
-        row["config"].update(choice="regime", check_arithmetic=True)
-        row["setup"] = {"models": {}, "prompt_sha256": "p", "settings": {"calibration": [2.0, -2.0, 2.0, -1.0]}}
-    for row in unchecked + checked:
-        row["setup"] = {"models": {}, "prompt_sha256": "p", "settings": {"calibration": [1.0, 0.0, 1.0, 0.0]}}
+        row["config"]["rule"] = f"arith:{rule.replace('1,0,1,0', '2,-2,2,-1')}"
+    for row in unchecked + checked + refit:
+        row["setup"] = {"models": {}, "prompt_sha256": "p", "settings": {"rule": row["config"]["rule"]}}
     rows = load_results(write_jsonl(tmp_path / "r.jsonl", unchecked + checked + refit))
     text = render(rows, markdown=True)
     header, _, *body = text.split("**Table 2: ablation**", 1)[1].strip("\n").split("\n\n")[0].splitlines()
@@ -268,7 +268,7 @@ def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(t
             rows.append(row)
     drawn = synthetic("kvrescue", 1, 64, [False, False, False])
     for row in drawn:
-        row["config"]["choice"] = "random"
+        row["config"]["rule"] = "random"
         row["setup"] = rows[0]["setup"]
     rows = load_results(write_jsonl(tmp_path / "r.jsonl", rows + drawn))
     assert len(choice_comparisons(rows)) == 2
@@ -285,14 +285,14 @@ def test_two_setups_of_one_configuration_are_compared_on_the_problems_both_ran(t
 
 
 def test_a_setup_note_names_settings_one_setup_records_beside_those_both_do(tmp_path):
-    """Regime rows from before the weak-base rule was a setting against rows fitted since: the note names the margin
-    both record, the rule by the value the earlier rows ran with, and the calibration only the later ones record."""
+    """Rows of one rule by budget fitted twice (its parameters differ), one of them recording one more setting: the note names
+    the rule both record, by its spec, and a setting only the later ones record."""
     rows = []
-    for settings, outcomes in (({"helper_margin": 1.0}, [True, False]),
-                               ({"helper_margin": 0.0, "weak_base_choice": "calibrated", "calibration": [2.0, -2.0, 2.0, -1.0]},
-                                [True, True])):
+    for settings, outcomes in (({"rule": "by-budget:64,judge,lead:base"}, [True, False]),
+                               ({"rule": "by-budget:64,calibrated:2,-2,2,-1,lead:base,margin=0",
+                                 "max_step_tokens": 32}, [True, True])):
         for row in synthetic("kvrescue", 1, 64, outcomes):
-            row["config"]["choice"] = "regime"
+            row["config"]["rule"] = "by-budget:64,judge,lead:base"
             row["setup"] = {"models": {}, "prompt_sha256": "p", "settings": settings}
             rows.append(row)
     notes = [line for line in render(load_results(write_jsonl(tmp_path / "r.jsonl", rows))).splitlines()
@@ -301,11 +301,11 @@ def test_a_setup_note_names_settings_one_setup_records_beside_those_both_do(tmp_
     note = notes[0]
     first, later = note.split(": setup ")[1].split(": ")[0].split(" vs ")
     assert {first, later} == {setup_label(rows[0]), setup_label(rows[-1])}
-    olds, news = ("1.0", "0.0") if first == setup_label(rows[0]) else ("0.0", "1.0")
-    assert f"helper_margin {olds} vs {news}" in note
-    rules = ("'prm'", "'calibrated'") if olds == "1.0" else ("'calibrated'", "'prm'")
-    assert f"weak_base_choice {rules[0]} vs {rules[1]}" in note, "the rows from before it ran the judge's pick"
-    assert f"calibration [2.0, -2.0, 2.0, -1.0] recorded by {setup_label(rows[-1])} only" in note
+    rules = ["'by-budget:64,judge,lead:base'", "'by-budget:64,calibrated:2,-2,2,-1,lead:base,margin=0'"]
+    if first != setup_label(rows[0]):
+        rules.reverse()
+    assert f"rule {rules[0]} vs {rules[1]}" in note
+    assert f"max_step_tokens 32 recorded by {setup_label(rows[-1])} only" in note
 
 
 def test_the_oracle_pick_takes_either_right_answer_on_the_problems_both_ran(tmp_path):
@@ -333,7 +333,7 @@ def test_table3_keeps_random_choice_apart_and_names_it(tmp_path):
     rows = []
     for choice, kv_parts in (("prm", {"base": 3, "helper": 2, "prm": 1}), ("random", {"base": 3, "helper": 2})):
         for row in synthetic("kvrescue", 4, 64, [True, False]):
-            row["config"]["choice"] = choice
+            row["config"]["rule"] = {"prm": "judge"}.get(choice, choice)
             row["engine"] = {"concurrency": 1, "run": choice, "elapsed": 30.0, "flash_attn": "off",
                              "kv_peak_bytes": {part: size * 2**20 for part, size in kv_parts.items()}}
             rows.append(row)
@@ -683,12 +683,14 @@ def test_viewer_renders_in_headless_chromium(runs, tmp_path):
 
 
 def test_a_rule_setting_recorded_for_a_rule_that_does_not_use_it_does_not_split_a_configuration():
-    """Rows of base-first written while every scored rule recorded judge_max_budget, and rows written since, are
-    one configuration; where the rule uses the setting (regime), other values are other setups."""
+    """Rows of base-first written while every scored rule recorded judge_max_budget, and rows written since, read
+    as one rule and one configuration; where the rule uses the setting (regime), other values are other setups."""
+    from kvrescue_local.bench.results_file import upgrade
 
     def row(choice, **settings):
-        return {"config": {"mode": "kvrescue", "choice": choice},
-                "setup": {"models": {}, "prompt_sha256": "0", "settings": {"helper_margin": 1.0, **settings}}}
+        recorded = {"helper_margin": 1.0, **settings}
+        return upgrade({"config": {"mode": "kvrescue", "n": 1, "choice": choice, **recorded},
+                        "setup": {"models": {}, "prompt_sha256": "0", "settings": dict(recorded)}})
 
     assert setup_label(row("base-first", judge_max_budget=0)) == setup_label(row("base-first"))
     assert setup_label(row("regime", judge_max_budget=0)) != setup_label(row("regime", judge_max_budget=32))

@@ -105,7 +105,7 @@ def test_a_loop_of_steps_shorter_than_a_check_is_killed_where_a_step_ends(blank_
     it ends, its window starting with the trajectory's tail, so once the window holds the loop the base's candidate
     dies and the helper's step is committed instead of the loop running to the step cap."""
     detector = DetectorParams(tau_entropy=50.0, text_window=64)
-    cfg = config(n=1, choice="base-first", helper_margin=1.0, detector=detector, max_step_tokens=16, max_tokens=240)
+    cfg = config(n=1, rule="lead:base", detector=detector, max_step_tokens=16, max_tokens=240)
     traj = Rescue(cfg, blank_line_model, helper_model, tiny_prm).solve(PROBLEM)
     base = [c for s in traj.steps for c in s.candidates if c.side == "base"]
     assert all(c.text == "\n\n" for c in base)

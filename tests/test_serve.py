@@ -17,7 +17,8 @@ openai = pytest.importorskip("openai")
 from kvrescue_local.cli import main  # noqa: E402
 from kvrescue_local.cli.serve import build_served, serve  # noqa: E402
 from kvrescue_local.errors import KVRescueError  # noqa: E402
-from kvrescue_local.rescue import Rescue, longest_prompt, loop  # noqa: E402
+from kvrescue_local.rescue import Rescue, longest_prompt  # noqa: E402
+from kvrescue_local.rescue.rules import Judge  # noqa: E402
 from kvrescue_local.serve import engine as engine_module  # noqa: E402
 from kvrescue_local.serve.schemas import MAX_MESSAGES  # noqa: E402
 from kvrescue_local.toy.dataset import toy_dataset  # noqa: E402
@@ -132,7 +133,7 @@ def test_32_concurrent_streams_each_equal_solve_with_its_seed(toy_server, toy_so
     def refuse(name: str, body: dict) -> None:
         refused[name] = httpx.post(f"{toy_server.url}/v1/completions", json=body, timeout=120)
 
-    bad = {"seed": {"seed": -1, "choice": "random"}, "budget": {"budget": 10 ** 12}, "n": {"n": 3},
+    bad = {"seed": {"seed": -1, "rule": "random"}, "budget": {"budget": 10 ** 12}, "n": {"n": 3},
            "body": {"prompt": "a" * 10_000_000}, "rkv kernel": {"policy": "rkv:kernel=1000000000"},
            "snapkv kernel": {"policy": "snapkv:kernel=1000000000"}}  # a pooling loop per kernel step once stalled all
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(32)]
@@ -170,7 +171,7 @@ def test_errors_are_openai_bodies_and_leave_nothing_in_the_engine(toy_server):
         "over max_tokens": ("completions", dict(json={"prompt": problem, "max_tokens": 10 ** 6})),
         "n over -n": ("completions", dict(json={"prompt": problem, "n": 3})),
         "a huge budget": ("completions", dict(json={"prompt": problem, "budget": 10 ** 12})),
-        "a negative seed": ("completions", dict(json={"prompt": problem, "seed": -1, "choice": "random"})),
+        "a negative seed": ("completions", dict(json={"prompt": problem, "seed": -1, "rule": "random"})),
         "a seed over 32 bits": ("completions", dict(json={"prompt": problem, "seed": 2 ** 32})),
         "a NaN temperature": ("completions", dict(content=b'{"prompt": "a=1", "temperature": NaN}', **json_body)),
         "five stops": ("completions", dict(json={"prompt": problem, "stop": list("abcde")})),
@@ -209,7 +210,7 @@ def test_errors_are_openai_bodies_and_leave_nothing_in_the_engine(toy_server):
     ("--seed", "seed", -1), ("--seed", "seed", 2 ** 32), ("--temp", "temperature", -0.5), ("--top-p", "top_p", 0),
     ("-n", "n", 0), ("--budget", "budget", 0), ("--policy", "policy", "rkv:lam=0.1,lam=0.2"),
     ("--policy", "policy", "lru"), ("--policy", "policy", "rkv:kernel=1000000000"), ("--mode", "mode", "fast"),
-    ("--choice", "choice", "best")])
+    ("--rule", "rule", "best"), ("--rule", "rule", "by-budget:32,judge")])
 def test_a_request_field_is_checked_by_its_options_own_check(toy_server, option, field, value):
     with pytest.raises((click.BadParameter, KVRescueError)) as refused:
         serve.make_context("serve", [option, str(value)])
@@ -217,6 +218,14 @@ def test_a_request_field_is_checked_by_its_options_own_check(toy_server, option,
     response = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": "a=1", field: value})
     assert response.status_code == 400 and response.json()["error"]["param"] == field
     assert said in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("choice", "spec"), [("prm", "judge"), ("regime", "by-budget:BUDGET,judge,lead:base")])
+def test_the_old_choice_field_is_refused_naming_the_rule_spec(toy_server, choice, spec):
+    response = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": "a=1", "choice": choice})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "choice", error
+    assert f'send "rule": "{spec}"' in error["message"], error
 
 
 def test_a_request_whose_kv_caches_exceed_memory_is_refused(toy_server):
@@ -290,14 +299,14 @@ def test_one_bad_request_among_good_ones_fails_alone(toy_solver, monkeypatch):
     did) and one the checks refuse, among six good ones in the same rounds: the first gets a 500, the second a 400
     before the engine sees it, and every good one completes with its `solve` answer."""
     doomed_seed = 999
-    choose = loop.choose
+    choose = Judge.choose
 
-    def failing(survivors, config, key, round_index, seed=None):
-        if seed == doomed_seed:
+    def failing(rule, survivors, seeds):
+        if seeds[0] == doomed_seed:
             raise ValueError("expected non-negative integer")
-        return choose(survivors, config, key, round_index, seed)
+        return choose(rule, survivors, seeds)
 
-    monkeypatch.setattr(loop, "choose", failing)
+    monkeypatch.setattr(Judge, "choose", failing)
     server = LoopbackServer(TOY_ARGS, start_engine=False)  # everything queued first: they share their rounds
     try:
         problems = [p.problem for p in toy_dataset().problems[:6]]
@@ -314,7 +323,7 @@ def test_one_bad_request_among_good_ones_fails_alone(toy_solver, monkeypatch):
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
         threads += [threading.Thread(target=post, args=("engine", {"prompt": problems[0], "seed": doomed_seed})),
                     threading.Thread(target=post, args=("checks", {"prompt": problems[1], "seed": -1,
-                                                                   "choice": "random"}))]
+                                                                   "rule": "random"}))]
         for t in threads:
             t.start()
         while server.metric("kvrescue_requests_queued") < 7:

@@ -31,6 +31,7 @@ way: degeneration is recomputed from correct, n_steps and the configured max_ste
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -39,9 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..rescue import MODES, Mode, Trajectory
-from ..rescue.config import RULE_SETTINGS
 from ..rescue.record import LENGTH_CAPS
-from .results_file import AXIS_RECORDS, SETTINGS_BEFORE, SOME_CONFIGURATIONS, differences
+from ..rescue.rules import Arith, Rule, parse_rule
+from .results_file import AXIS_RECORDS, SOME_CONFIGURATIONS, differences
 
 DEGENERATE_STEPS = 256
 DEFAULT_CACHE = "f16"  # the KV cache of rows that record none (bench.run.DEFAULT_CACHE)
@@ -86,11 +87,11 @@ class ConfigKey:
     policy: str | None
     mode: str
     setup: str = ""  # setup_label of its rows; "" when setups are pooled
-    choice: str = "prm"  # how rounds with a choice chose: "prm", or "random" (the PRM's baseline)
+    choice: str = "prm"  # the rule's key name (Rule.key_name): "prm" the judge's pick, "random" its baseline, ...
     weights: str = ""  # the base's label on the sweep's base axis (its weight type): "" for a run's one base
     kv_cache: str = DEFAULT_CACHE  # the base's KV cache types, "q8_0" or "q8_0/f16" (K/V)
     helper_kv_cache: str = DEFAULT_CACHE
-    check_arithmetic: bool = False  # a survivor stating false arithmetic was set aside (rescue/arithmetic.py)
+    check_arithmetic: bool = False  # a survivor stating false arithmetic was set aside (rules/arith.py)
 
     @property
     def mode_label(self) -> str:
@@ -131,20 +132,16 @@ def setup_label(row: dict) -> str:
     setup = row.get("setup")
     if setup is None:
         return UNRECORDED
-    # a helper left unwatched (0 and 0) hashes as the rows from before its thresholds were settings, and a rule's
-    # parameter recorded for another rule (judge_max_budget, recorded for every scored rule until 2026-12-04) as
-    # the rows that do not record it
-    choice = str(row.get("config", {}).get("choice", "prm"))
+    # a helper left unwatched (0 and 0) hashes as the rows from before its thresholds were settings
     without_seed = {**{k: v for k, v in setup.items() if k not in AXIS_RECORDS},
                     "settings": {k: v for k, v in setup["settings"].items()
-                                 if k != "seed" and not (k in UNWATCHED_HELPER and v == 0.0)
-                                 and not (k in RULE_SETTINGS and choice not in RULE_SETTINGS[k])}}
+                                 if k != "seed" and not (k in UNWATCHED_HELPER and v == 0.0)}}
     return hashlib.sha256(json.dumps(without_seed, sort_keys=True).encode()).hexdigest()[:6]
 
 
 def settings_label(row: dict) -> str:
-    """setup_label without the models and the settings only some configurations record (the pick's margin, where
-    a PRM picks): what rows of different models (base, helper) or choices must share to be compared."""
+    """setup_label without the models and the settings only some configurations record (the rule's spec, where
+    a judge scores for it): what rows of different models (base, helper) or choices must share to be compared."""
     setup = row.get("setup")
     if setup is None:
         return UNRECORDED
@@ -152,17 +149,23 @@ def settings_label(row: dict) -> str:
     return setup_label({"setup": {**setup, "models": {}, "settings": shared}})
 
 
+@functools.cache
+def rule_of(spec: str) -> Rule:
+    return parse_rule(spec, "a row's rule")
+
+
 def config_key(row: dict, pool_setups: bool = False) -> ConfigKey:
     cfg = row["config"]
+    rule = rule_of(str(cfg.get("rule", "judge")))
     mode = str(cfg["mode"])
     evicts = mode in MODES and Mode(mode).evicts
     budget = cfg.get("budget", (cfg.get("kv") or {}).get("budget")) if evicts else None
     policy = cfg.get("policy", (cfg.get("kv") or {}).get("policy")) if evicts else None
     return ConfigKey(str(row.get("dataset", "")), MODES.index(mode) if mode in MODES else len(MODES),
                      None if budget is None else int(budget), int(cfg["n"]), None if policy is None else str(policy),
-                     mode, "" if pool_setups else setup_label(row), str(cfg.get("choice", "prm")),
+                     mode, "" if pool_setups else setup_label(row), rule.key_name,
                      str(cfg.get("weights", "")), str(cfg.get("kv_cache", DEFAULT_CACHE)),
-                     str(cfg.get("helper_kv_cache", DEFAULT_CACHE)), bool(cfg.get("check_arithmetic", False)))
+                     str(cfg.get("helper_kv_cache", DEFAULT_CACHE)), rule.checks_arithmetic)
 
 
 def group_rows(rows: list[dict], pool_setups: bool = False) -> dict[ConfigKey, list[dict]]:
@@ -345,11 +348,11 @@ def setup_notes(items: list[Summary]) -> list[str]:
                 unrecorded = first if first.setup is None else other
                 what = f"setup {unrecorded.key.setup} was not recorded (rows written before setups were)"
             else:
-                diff = differences(first.setup, other.setup, ignore=("seed",), same_configuration=True)
+                diff = differences(first.setup, other.setup, ignore=("seed",))
                 roles = sorted(set(first.setup["models"]) ^ set(other.setup["models"]))
                 one_sided = [f"{k} {s.setup['settings'][k]!r} recorded by {s.key.setup} only"
                              for k in sorted(set(first.setup["settings"]) ^ set(other.setup["settings"]))
-                             if k not in SETTINGS_BEFORE for s in (first, other) if k in s.setup["settings"]]
+                             for s in (first, other) if k in s.setup["settings"]]
                 what = "; ".join(diff + one_sided + ([f"models recorded for {', '.join(roles)}"] if roles else []))
             notes.append(f"{key.dataset + ' ' if key.dataset else ''}{key.label}: setup {first.key.setup} vs "
                          f"{other.key.setup}: {what}")
@@ -512,13 +515,26 @@ def judge_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 
 def check_comparisons(rows: list[dict], pool_setups: bool = False, draws: int = 2000,
                       seed: int = 0) -> list[PairedComparison]:
     """Each configuration whose rounds set aside false arithmetic (a) against the same configuration without the
-    check (b), of the same setup (the same rule's parameters too): what the check alone changes."""
+    check (b), of the same setup but for the check (the same rule's parameters too): what the check alone changes."""
     def unchecked(groups, a):
         if not a.check_arithmetic:
             return []
-        return partners(groups, a, mode=a.mode, choice=a.choice, budget=a.budget, policy=a.policy, weights=a.weights,
-                        kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache, check_arithmetic=False, setup=a.setup)
+        found = partners(groups, a, mode=a.mode, choice=a.choice, budget=a.budget, policy=a.policy, weights=a.weights,
+                         kv_cache=a.kv_cache, helper_kv_cache=a.helper_kv_cache, check_arithmetic=False)
+        wanted = setup_label(without_check(groups[a][0]))
+        return [b for b in found if not a.setup or b.setup == wanted]
     return comparisons(rows, pool_setups, draws, seed, unchecked)
+
+
+def without_check(row: dict) -> dict:
+    """The row with its rule's arithmetic check taken off where its setup records the rule: the setup of the same
+    configuration unchecked."""
+    settings = (row.get("setup") or {}).get("settings") or {}
+    rule = rule_of(str(settings.get("rule", "judge")))
+    if not isinstance(rule, Arith) or "rule" not in settings:
+        return row
+    return {**row, "setup": {**row["setup"], "settings": {**settings, "rule": rule.rule.spec}}}
+
 
 
 def setup_comparisons(rows: list[dict], draws: int = 2000, seed: int = 0) -> list[PairedComparison]:

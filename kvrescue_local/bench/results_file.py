@@ -36,14 +36,13 @@ from ..prm import head_path
 from ..rescue import MODES, RescueConfig
 from ..rescue.config import SOME_SETTINGS
 from ..rescue.record import TRAJECTORY_SHAPE
+from ..rescue.rules import Arith, ByBudget, Calibrated, Judge, Lead, Random, Rule
 from ..shape import BOOLEAN, COUNT, SECONDS, TEXT, ListOf, Maybe, Number, Record, ShapeError, Text, check
 
 # the sweep axes (recorded in "config") and settings that change speed, not results
 SOME_CONFIGURATIONS = SOME_SETTINGS  # settings only configurations they matter to record: compared where both do
-# settings recorded since some date, and what the rows of a configuration that records them ran with before: the judge's
-# pick where the base is the weaker writer, the helper unwatched
-SETTINGS_BEFORE = {"weak_base_choice": "prm", "helper_tau_entropy": 0.0, "helper_tau_compression": 0.0}
-NOT_SETTINGS = ("mode", "n", "budget", "policy", "choice", "check_arithmetic", "prompt", "n_gpu_layers", "n_threads",
+BETWEEN_CONFIGURATIONS = ("rule",)  # a configuration's own: compared between rows of one configuration only
+NOT_SETTINGS = ("mode", "n", "budget", "policy", "prompt", "n_gpu_layers", "n_threads",
                 "flash_attn", "n_batch", "helper_ctx", "kv", "detector", "cache_type_k", "cache_type_v",
                 "helper_cache_type_k", "helper_cache_type_v")
 # what a setup records of its axes (the KV cache types and their bytes, the base's weights): part of the row's
@@ -54,7 +53,7 @@ AXIS_RECORDS = ("kv", "weights")
 # the fields of a row its readers rely on; other fields pass (rows that record more). Resume and merge need what
 # tells rows apart (row_key); `report` reads rows from elsewhere too, and needs what its tables count.
 CONFIG_SHAPE = Record({"mode": Text(MODES), "n": Number(low=1, integer=True), "budget": Maybe(COUNT),
-                       "policy": Maybe(TEXT), "choice": TEXT, "weights": TEXT, "kv_cache": TEXT, "helper_kv_cache": TEXT,
+                       "policy": Maybe(TEXT), "choice": TEXT, "rule": TEXT, "weights": TEXT, "kv_cache": TEXT, "helper_kv_cache": TEXT,
                        "check_arithmetic": BOOLEAN, "max_steps": COUNT})
 MODEL_SHAPE = Record({"file": TEXT, "size": COUNT, "sha256": TEXT, "head_sha256": TEXT},
                      required=("file", "size", "sha256"))
@@ -189,17 +188,23 @@ def parse_row(raw: bytes) -> dict | None:
 
 def upgrade(row: dict) -> dict:
     """A row as this version writes it: rows from before KV cache types were sweep axes recorded one `kv_type` for
-    both sides among their settings, which becomes their axes' cache labels; rows from before the pick's margin
-    was a setting picked the PRM's favourite (margin 0), and KV-Rescue rows from before the helper's thresholds were
-    settings did not watch the helper (0 and 0)."""
+    both sides among their settings, which becomes their axes' cache labels; KV-Rescue rows from before the helper's
+    thresholds were settings did not watch the helper (0 and 0); rows from before commit rules were specs recorded a
+    choice and its parameters as fields of their own, which become their rule (old_rule)."""
     config, settings_ = row.get("config"), (row.get("setup") or {}).get("settings") or {}
-    if isinstance(config, dict) and settings_ and picked_by_prm(config):
-        settings_.setdefault("pick_margin", 0.0)
-        config.setdefault("pick_margin", 0.0)
     if isinstance(config, dict) and settings_ and config.get("mode") == "kvrescue":  # the helper was not watched
         for name in ("helper_tau_entropy", "helper_tau_compression"):
             settings_.setdefault(name, 0.0)
             config.setdefault(name, 0.0)
+    if isinstance(config, dict) and "rule" not in config:
+        rule = old_rule({**settings_, **config})
+        for name in OLD_RULE_FIELDS:
+            config.pop(name, None)
+            settings_.pop(name, None)
+        config["rule"] = rule.spec
+        sides = 2 if config.get("mode") == "kvrescue" else 1
+        if settings_ and sides * int(config.get("n", 1)) > 1 and rule.at_budget(int(config.get("budget") or 0)).needs_judge:
+            settings_["rule"] = rule.spec  # as RescueConfig.records has it: where a judge scores for the rule
     old = settings_.pop("kv_type", None)
     if isinstance(config, dict):
         old = config.pop("kv_type", old)
@@ -209,10 +214,32 @@ def upgrade(row: dict) -> dict:
     return row
 
 
-def picked_by_prm(config: dict) -> bool:
-    """Whether a row's configuration (its axes) had a PRM choose between candidates."""
-    sides = 2 if config.get("mode") == "kvrescue" else 1
-    return config.get("choice", "prm") == "prm" and sides * int(config.get("n", 1)) > 1
+# the fields a row recorded its commit rule in before rules were specs
+OLD_RULE_FIELDS = ("choice", "pick_margin", "helper_margin", "base_margin", "calibration", "judge_max_budget",
+                   "weak_base_choice", "check_arithmetic")
+
+
+def old_rule(config: dict) -> Rule:
+    """The rule of a row that recorded a choice and its parameters: "prm" the judge's pick within pick_margin (0 where
+    unrecorded, before it was a setting), "random", "base-first" and "helper-first" the lead of a side with the other
+    side's margin, "calibrated" with its calibration, "regime" weak_base_choice (the judge's pick where unrecorded)
+    up to judge_max_budget and base-first above; check_arithmetic wraps it in the arithmetic check."""
+    pick = float(config.get("pick_margin", 0.0))
+
+    def simple(choice: str) -> Rule:
+        if choice == "random":
+            return Random()
+        if choice in ("base-first", "helper-first"):
+            side = choice.removesuffix("-first")
+            return Lead(side, float(config.get("helper_margin" if side == "base" else "base_margin", 1.0)), pick)
+        if choice == "calibrated":
+            return Calibrated(tuple(float(x) for x in config.get("calibration", (1.0, 0.0, 1.0, 0.0))))
+        return Judge(pick)
+
+    choice = str(config.get("choice", "prm"))
+    rule = (ByBudget(int(config.get("judge_max_budget", 0)), simple(str(config.get("weak_base_choice", "prm"))),
+                     simple("base-first")) if choice == "regime" else simple(choice))
+    return Arith(rule) if config.get("check_arithmetic") else rule
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -280,8 +307,8 @@ def model_fingerprint(path: str | Path, head: str | Path | None = None) -> dict:
 
 def settings(config: RescueConfig) -> dict:
     """Every sampling, detector and KV setting and length cap: all a row's outcome depends on besides its axes (a
-    commit rule's parameters only where a PRM scores for that rule)."""
-    flat = {**dataclasses.asdict(config.kv), **dataclasses.asdict(config.detector), **dataclasses.asdict(config)}
+    commit rule's spec only where a judge scores for it)."""
+    flat = {**dataclasses.asdict(config.kv), **dataclasses.asdict(config.detector), **config.as_dict()}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in sorted(flat.items())
             if k not in NOT_SETTINGS and (k not in SOME_CONFIGURATIONS or config.records(k))}
 
@@ -306,11 +333,10 @@ def weights_label(setup: dict) -> str:
     return (setup.get("weights") or {}).get("label", "")
 
 
-def differences(a: dict, b: dict, ignore: tuple[str, ...] = (), same_configuration: bool = False) -> list[str]:
+def differences(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> list[str]:
     """What differs between two setups; models are compared for the roles both used (the base only between rows of
     the same base on the sweep's base axis). A setting only some configurations record is compared where both setups
-    record it, and between two setups of one configuration also where one of them comes from before the setting was
-    recorded, by the value its rows ran with (SETTINGS_BEFORE)."""
+    record it."""
     out = []
     roles = set(a["models"]) & set(b["models"])
     if weights_label(a) != weights_label(b):
@@ -321,8 +347,6 @@ def differences(a: dict, b: dict, ignore: tuple[str, ...] = (), same_configurati
     if a["prompt_sha256"] != b["prompt_sha256"]:
         out.append(f"prompt template {a['prompt_sha256'][:8]} vs {b['prompt_sha256'][:8]}")
     ours, theirs = a["settings"], b["settings"]
-    if same_configuration:
-        ours, theirs = {**SETTINGS_BEFORE, **ours}, {**SETTINGS_BEFORE, **theirs}
     out += [f"{k} {ours.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(ours) | set(theirs))
             if k not in ignore and ours.get(k) != theirs.get(k)
             and not (k in SOME_CONFIGURATIONS and (k not in ours or k not in theirs))]
@@ -342,8 +366,10 @@ def configuration_setups(rows: list[dict], path: Path) -> list[tuple[str, dict]]
     return list(seen.values())
 
 
-def check_same_setup(ours: dict, setups: list[dict], path: Path, fix: str, same_configuration: bool = False) -> None:
+def check_same_setup(ours: dict, setups: list[dict], path: Path, fix: str, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse setups that differ from ours; `ignore`: settings that tell configurations apart (the rule, between
+    rows of different configurations)."""
     for theirs in setups:
-        diff = differences(theirs, ours, same_configuration=same_configuration)
+        diff = differences(theirs, ours, ignore)
         if diff:
             raise KVRescueError(f"{path} holds results of a different configuration ({'; '.join(diff)}): {fix}")

@@ -1,4 +1,4 @@
-"""Sweeps: problems × configurations (mode, budget, N, policy, choice, base weights, KV cache types), one JSONL
+"""Sweeps: problems × configurations (mode, budget, N, policy, commit rule, base weights, KV cache types), one JSONL
 line per pair, resumable.
 
 A configuration's problems run `concurrency` at a time on one engine; each line is flushed as soon as
@@ -25,12 +25,13 @@ from typing import Callable, Iterable, Iterator, TextIO
 from ..errors import KVRescueError
 from ..files import check_appendable, compressed_output, json_text, results_target, write_output
 from ..rescue import Mode, Models, Rescue, RescueConfig, longest_prompt
+from ..rescue.rules import parse_rule
 from ..runtime import Model
 from .datasets import Dataset, Problem
 from .metrics import DEFAULT_CACHE, result_line
 from ..quantize import file_type
 from ..runtime.context import kv_bytes_per_cell
-from .results_file import (check_same_setup, configuration_setups, problem_fingerprint, read_rows,
+from .results_file import (BETWEEN_CONFIGURATIONS, check_same_setup, configuration_setups, problem_fingerprint, read_rows,
                            repair_tail, row_key, settings, setup, weights_label, writing)
 
 
@@ -50,16 +51,19 @@ class Axis:
     budget: int
     n: int
     policy: str
-    choice: str = "prm"
+    rule: str = "judge"  # the commit rule's spec
     weights: str = ""  # the base model on the sweep's base axis (its weight type, or its file): "" for a run's one base
     kv_cache: str = DEFAULT_CACHE  # the base's KV cache types (cache_label)
     helper_kv_cache: str = DEFAULT_CACHE
-    check_arithmetic: bool = False  # RescueConfig.check_arithmetic, where a round has a choice
 
     @property
     def key(self) -> str:
-        key = f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}" + ("" if self.choice == "prm" else f"-{self.choice}")
-        if self.check_arithmetic:
+        """The configuration's name in its rows: a rule by its key name (its parameters are in the rows' settings),
+        "-arith" where it checks arithmetic."""
+        rule = parse_rule(self.rule)
+        key = f"{self.mode}-b{self.budget}-n{self.n}-{self.policy}" + (
+            "" if rule.key_name == "prm" else f"-{rule.key_name}")
+        if rule.checks_arithmetic:
             key += "-arith"
         if self.weights:
             key += f"-w{self.weights}"
@@ -69,26 +73,24 @@ class Axis:
 
 
 def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable[int], policies: Iterable[str],
-               choices: Iterable[str] = ("prm",), weights: Iterable[str] = ("",),
-               caches: Iterable[tuple[str, str]] = ((DEFAULT_CACHE, DEFAULT_CACHE),),
-               check_arithmetic: bool = False) -> list[Axis]:
+               rules: Iterable[str] = ("judge",), weights: Iterable[str] = ("",),
+               caches: Iterable[tuple[str, str]] = ((DEFAULT_CACHE, DEFAULT_CACHE),)) -> list[Axis]:
     """The configurations of a sweep; modes without eviction ignore budget and policy, so they appear once, the
-    choice and the arithmetic check matter only where a round has more than one candidate, the base's weights and
+    rule (specs) matters only where a round has more than one candidate, the base's weights and
     cache only where the base runs and the helper's cache only where the helper does (`caches`: (base, helper) cache
     labels)."""
     axes = []
-    for mode, budget, n, policy, choice, weight, (kv_cache, helper_kv_cache) in product(
-            map(Mode.parse, modes), budgets, ns, policies, choices, weights, caches):
+    for mode, budget, n, policy, rule, weight, (kv_cache, helper_kv_cache) in product(
+            map(Mode.parse, modes), budgets, ns, policies, rules, weights, caches):
         if not mode.evicts:
             budget, policy = 0, "none"
-        chooses = n * mode.sides > 1
-        if not chooses:
-            choice = "prm"
+        if n * mode.sides == 1:
+            rule = "judge"
         if not mode.uses_base:
             weight, kv_cache = "", helper_kv_cache
         if not mode.uses_helper:
             helper_kv_cache = kv_cache
-        axis = Axis(mode, budget, n, policy, choice, weight, kv_cache, helper_kv_cache, check_arithmetic and chooses)
+        axis = Axis(mode, budget, n, policy, parse_rule(rule).spec, weight, kv_cache, helper_kv_cache)
         if axis not in axes:
             axes.append(axis)
     return axes
@@ -97,8 +99,7 @@ def sweep_axes(modes: Iterable[str | Mode], budgets: Iterable[int], ns: Iterable
 def rescue_config(axis: Axis, template: RescueConfig) -> RescueConfig:
     kv = dataclasses.replace(template.kv, budget=axis.budget, policy=axis.policy) if axis.budget else template.kv
     (type_k, type_v), (helper_k, helper_v) = cache_types(axis.kv_cache), cache_types(axis.helper_kv_cache)
-    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv, choice=axis.choice,
-                               check_arithmetic=axis.check_arithmetic, cache_type_k=type_k,
+    return dataclasses.replace(template, mode=axis.mode, n=axis.n, kv=kv, rule=axis.rule, cache_type_k=type_k,
                                cache_type_v=type_v, helper_cache_type_k=helper_k, helper_cache_type_v=helper_v)
 
 
@@ -175,16 +176,17 @@ def run_sweep(dataset: Dataset, axes: list[Axis], template: RescueConfig, models
         for axis, made in setups.items():
             merged = ours.setdefault(axis.weights, {**made, "models": {}, "settings": {}})
             merged["models"].update(made["models"])
-            merged["settings"].update(made["settings"])  # a setting some configurations record (pick_margin)
+            merged["settings"].update(made["settings"])  # a setting some configurations record (the helper's thresholds)
         fix = "resume with the same models and options or write to a new results file"
         # rows of a configuration this sweep runs: against its own setup, where a setting the rows lack because they
         # were written before it was recorded is compared by the value they ran with; other rows against their base's
         own = {axis.key: made for axis, made in setups.items()}
         for key, theirs in configuration_setups(rows, results):
             if key in own:
-                check_same_setup(own[key], [theirs], results, fix, same_configuration=True)
+                check_same_setup(own[key], [theirs], results, fix)
             else:
-                check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results, fix)
+                check_same_setup(ours.get(weights_label(theirs)) or next(iter(ours.values())), [theirs], results, fix,
+                                 BETWEEN_CONFIGURATIONS)
         index, count = shard
         tasks = [(axis, p) for axis in axes for p in problems][index::count]
         todo, changed = undone(tasks, label, rows)
@@ -262,8 +264,8 @@ def merge_results(inputs: list[Path], output: Path, force: bool = False) -> int:
                                     "empty, binary or cut-off file has none)")
             fix = "merge only shards of one sweep (same models and options)"
             for key, theirs in configuration_setups(rows, path):
-                check_same_setup(theirs, setups, path, fix)
-                check_same_setup(theirs, of_configuration.get(key, []), path, fix, same_configuration=True)
+                check_same_setup(theirs, setups, path, fix, BETWEEN_CONFIGURATIONS)
+                check_same_setup(theirs, of_configuration.get(key, []), path, fix)
                 setups.append(theirs)
                 of_configuration.setdefault(key, []).append(theirs)
             for row in rows:

@@ -10,7 +10,8 @@ from .. import toy  # noqa: F401  (registers the toy dataset: --dataset toy)
 from ..bench.datasets import dataset_names, load_dataset
 from ..bench.results_file import read_rows
 from ..bench.run import Axis, cache_label, cache_types, merge_results, parse_shard, rescue_config, run_sweep, sweep_axes
-from ..compose import check_calibration_head, fit_defaults, model_facts, open_model, open_models, select_models
+from ..compose import (check_calibration_head, fit_defaults, fitted_rule, model_facts, open_model, open_models,
+                       rule_needs_judge, rule_note, select_models)
 from ..errors import KVRescueError
 from ..hub import resolve_gguf
 from ..quantize import WEIGHT_TYPES
@@ -18,11 +19,11 @@ from ..runtime.context import check_cache_types
 from .models import quantized_with_progress
 from ..files import check_appendable, check_input_file, check_writable
 from ..rescue import MODES, Mode, longest_prompt
-from ..rescue.config import CHOICES, SCORED_CHOICES
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
                              check_prompts_fit, largest_fitting, models_kv_memory)
-from ..settings import POSITIVE, PolicySpecs
-from .common import DEFAULTS, SettingsCommand, name_list, note, parse_size, search_options
+from ..settings import POSITIVE, RULE, PolicySpecs
+from .common import (DEFAULTS, FITTED_FOR_HELP, RULE_HELP, GroupedOption, SettingsCommand, name_list, note, parse_size,
+                     search_options)
 from .options import CacheTypeList, IntList, Names, check_cache_fit, check_prm_ctx
 
 MODEL_OPTIONS = {"base": "--base", "helper": "--helper", "prm": "--prm", "prm_head": "the PRM's head"}
@@ -48,9 +49,9 @@ def bench() -> None:
 @click.option("--ns", type=IntList(), default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
 @click.option("--policies", type=PolicySpecs(several=True), help="comma-separated eviction policy specs, e.g. rkv,snapkv or rkv:lam=0.1,kernel=5,h2o "
                                  f"[default: the preset's, else {DEFAULTS.kv.policy}]")
-@click.option("--choice", "choices",
-              help=f"comma-separated: how rounds with a choice pick their winner ({', '.join(CHOICES)}; docs/prm.md); "
-                   f"each is a configuration of its own [default: the preset's for the dataset, else {DEFAULTS.choice}]")
+@click.option("--rule", "rules", type=RULE, multiple=True, cls=GroupedOption, group="rule",
+              help=f"{RULE_HELP}; repeat it for a sweep, each rule a configuration of its own")
+@click.option("--fitted-for", cls=GroupedOption, group="rule", help=FITTED_FOR_HELP)
 @click.option("--bases", help="comma-separated base models (GGUF paths or owner/repo:FILE.gguf), a sweep axis "
                                "[default: --base, else the preset's]")
 @click.option("--weight-types", type=Names(WEIGHT_TYPES, "weight type", several=True),
@@ -70,7 +71,7 @@ def bench() -> None:
               help=f"problems solved at once on one engine [default: on a GPU (-ngl > 0) the most that fit --memory, "
                    f"at most {DEFAULT_CONCURRENCY_CAP}; on a CPU 1, where more measured no faster (docs/throughput.md)]")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G [default: half of the available memory]")
-def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies, choices, bases, weight_types,
+def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies, rules, fitted_for, bases, weight_types,
                 allow_requantize, cache_types, results, resume, shard, offline, concurrency, memory, **options) -> None:
     """Run a sweep; one result line per problem and configuration, written as each finishes."""
     shard_index, shard_count = parse_shard(shard)
@@ -80,21 +81,23 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
     modes = [Mode(m) for m in name_list(modes, MODES, "mode")]
     needs_base = any(m.uses_base for m in modes)
     needs_helper = any(m.uses_helper for m in modes)
-    choices = name_list(choices, CHOICES, "choice") if choices else None
     most_sides = max(m.sides for m in modes)
     selection = select_models(options, needs_base, needs_helper, note=note,
-                              needs_prm=most_sides * max(ns) > 1 and (choices is None or bool(set(choices) & set(SCORED_CHOICES))))
-    template = selection.config(options, None if data else dataset, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
+                              needs_prm=most_sides * max(ns) > 1 and any(rule_needs_judge({"rule": r})
+                                                                         for r in rules or [None]))
+    fitted = fitted_for or (None if data else dataset)  # whose fitted rules apply: --data's problems are no dataset's
+    template = selection.config({**options, "fitted_for": fitted_for}, fitted, mode=Mode.KVRESCUE, n=1,
+                                kv={"budget": max(budgets)})
     template = fit_defaults(template, model_facts(selection, needs_base, needs_helper, 1), options, note)
-    choices = choices or [template.choice]
+    given = list(rules)
+    rules = [fitted_rule(selection.preset, fitted, rule).spec for rule in given] or [template.rule.spec]
     caches = cache_axis(cache_types, template, options)
 
     def axes_of(weights: list[str]) -> list[Axis]:
-        return sweep_axes(modes, budgets, ns, policies or [template.kv.policy], choices, weights, caches,
-                          template.check_arithmetic)
+        return sweep_axes(modes, budgets, ns, policies or [template.kv.policy], rules, weights, caches)
 
     # a configuration's rule does not depend on its base: checked before --weight-types quantizes anything
-    check_calibration_head(selection, None if data else dataset, [rescue_config(axis, template) for axis in axes_of([""])])
+    check_calibration_head(selection, fitted, [rescue_config(axis, template) for axis in axes_of([""])])
     base_files = base_axis(bases, weight_types, allow_requantize, options, selection) if needs_base else {}
     check_writable(results, "--results", special=False,
                    reads=[*((MODEL_OPTIONS.get(role, role), path) for role, path in selection.paths.items()
@@ -143,6 +146,8 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
         note("on a CPU with flash attention off each problem runs in contexts of its own, about as fast as one at a "
              "time; --flash-attn on lets a model whose weights outweigh the attention share one context (faster on "
              "the coder pair, docs/throughput.md), and with it a trajectory depends on its batch mates by rounding")
+    for rule in rules:  # once all is checked
+        note(rule_note(selection, rule, "--rule" if given else None, fitted_for, None if data else dataset))
     total = len(range(shard_index, len(axes) * len(data_set.problems), shard_count))
     tally = {"done": 0, "correct": 0}
 

@@ -10,6 +10,7 @@ import click
 from ..bench.estimate import scaled
 from ..errors import KVRescueError, SettingError
 from ..files import json_text, write_output
+from ..rescue.rules import CHOICE_SPECS
 from ..settings import BY_FIELD, DEFAULTS, GROUPS, NON_NEGATIVE, SETTINGS, Setting, command_line_name, range_text
 
 
@@ -79,6 +80,42 @@ def setting_options(*fields: str):
     return decorate
 
 
+RULE_HELP = f"{BY_FIELD['rule'].help} [default: {BY_FIELD['rule'].default_text}]"
+
+FITTED_FOR_HELP = ("DATASET: the preset's rule fitted for that dataset's problems applies (bench run --dataset "
+                   "applies its own; a --data file's problems take the preset's default without it), e.g. gsm8k")
+
+# what the options that set a rule before rules were specs say in one
+OLD_RULE_OPTIONS = {
+    "--choice": lambda v: " --rule ".join(CHOICE_SPECS.get(x.strip(), "judge") for x in str(v).split(",") if x.strip()),
+    "--pick-margin": lambda v: f"judge:margin={v} (or lead:SIDE,pick={v})",
+    "--helper-margin": lambda v: f"lead:base,margin={v}",
+    "--base-margin": lambda v: f"lead:helper,margin={v}",
+    "--judge-max-budget": lambda v: f"by-budget:{v},judge,lead:base",
+    "--weak-base-choice": lambda v: f"by-budget:BUDGET,{CHOICE_SPECS.get(v, 'judge')},lead:base",
+    "--check-arithmetic": lambda v: "arith:RULE (e.g. arith:judge)" if v else "RULE without arith:",
+}
+
+
+def refuse_old_rule_option(ctx, param, value) -> None:
+    """An option of the rules before they were specs: one Error line naming the spec that says the same."""
+    if value is None or value == ():
+        return
+    option = "--check-arithmetic" if param.name == "check_arithmetic" else param.opts[0]
+    given = next(iter(value)) if isinstance(value, tuple) else value
+    shown = option if option != "--check-arithmetic" or given else "--no-check-arithmetic"
+    raise KVRescueError(f"{shown} is gone: commit rules are specs now, pass --rule {OLD_RULE_OPTIONS[option](given)} "
+                        "(docs/prm.md lists the rules)")
+
+
+REFUSED_RULE_OPTIONS = [
+    *(click.option(name, hidden=True, expose_value=False, callback=refuse_old_rule_option)
+      for name in OLD_RULE_OPTIONS if name != "--check-arithmetic"),
+    click.option("--check-arithmetic/--no-check-arithmetic", default=None, hidden=True, expose_value=False,
+                 callback=refuse_old_rule_option),
+]
+
+
 MODEL_OPTIONS = [
     click.option("--preset", default="toy", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
     click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
@@ -91,12 +128,13 @@ MODEL_OPTIONS = [
                       "(every layer unless -ngl says how many; needs a build with --rpc)"),
     click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True, cls=GroupedOption, group="llama.cpp",
                  help="PRM context in its own tokens (0: sized from the problem; it grows as the trajectory does)"),
+    *REFUSED_RULE_OPTIONS,
 ]
 
 
 def search_options(sweep: bool = False):
-    """A decorator adding the model options and one option per setting (settings.SETTINGS); with `sweep` (bench
-    run) not those of the settings its axes sweep."""
+    """A decorator adding the model options, one option per setting (settings.SETTINGS) and the refused options of
+    the rules before they were specs; with `sweep` (bench run) not those of the settings its axes sweep."""
     fields = [setting.field for setting in SETTINGS if not (sweep and setting.axis)]
 
     def decorate(command):

@@ -118,7 +118,7 @@ def build_served(options: dict):
 @search_options()
 def serve(host, port, **options) -> None:
     """Serve the engine over an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics. A request's rescue settings (mode, n, budget, policy, choice) come as extra body fields;
+    /health, /metrics. A request's rescue settings (mode, n, budget, policy, rule) come as extra body fields;
     these options are their defaults."""
     uvicorn, _, _, create_app, _, _ = serve_stack()
     with listening_socket(host, port) as sock:

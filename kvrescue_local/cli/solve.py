@@ -7,12 +7,11 @@ from pathlib import Path
 
 import click
 
-from ..compose import fit_defaults, model_facts, open_models, select_models
+from ..compose import fit_defaults, model_facts, open_models, rule_needs_judge, rule_note, select_models
 from ..files import check_writable, read_utf8
 from ..rescue import Mode, Rescue, Step, longest_prompt
-from ..rescue.config import SCORED_CHOICES
 from ..rescue.limits import available_memory, check_context_sizes, check_kv_sizes, check_problem, check_prompts_fit
-from .common import DEFAULTS, SettingsCommand, note, search_options, write_json
+from .common import DEFAULTS, FITTED_FOR_HELP, GroupedOption, SettingsCommand, note, search_options, write_json
 from .options import check_cache_fit, check_prm_ctx
 
 
@@ -33,6 +32,7 @@ def show(step: Step) -> None:
 @click.option("--file", "problem_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="read the problem from a file")
 @search_options()
+@click.option("--fitted-for", cls=GroupedOption, group="rule", help=FITTED_FOR_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, json_path, **options) -> None:
     """Solve one PROBLEM step by step, showing each committed step as it lands."""
@@ -45,11 +45,10 @@ def solve(problem, problem_file, json_path, **options) -> None:
     where = "the PROBLEM argument" if problem is not None else f"--file {problem_file}"
     text = check_problem(problem if problem is not None else read_utf8(problem_file, "--file"), where)
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)
-    choice = options["choice"] or DEFAULTS.choice
-    selection = select_models(options, mode.uses_base, mode.uses_helper,
-                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and choice in SCORED_CHOICES,
-                              note=note)
-    config = selection.config(options)
+    # whether a PRM is needed is the rule's to say, and the rule may be the preset's: the preset's models load once
+    selection = select_models(options, mode.uses_base, mode.uses_helper, note=note,
+                              needs_prm=mode.sides * (options["n"] or DEFAULTS.n) > 1 and rule_needs_judge(options))
+    config = selection.config(options, options["fitted_for"])
     check_prm_ctx(config, options["prm_ctx"])
     max_candidates = config.candidates_per_round if config.needs_prm else 1
     facts = model_facts(selection, config.uses_base, config.uses_helper, max_candidates)
@@ -61,6 +60,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
     check_cache_fit([config], models.base, models.helper)
     if models.base is not None:
         check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]))
+    note(rule_note(selection, config.rule, options["rule"], options["fitted_for"], None))  # once all is checked
     engine = Rescue(config, models.base, models.helper, models.prm,
                     prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [text]))
     try:

@@ -1,4 +1,4 @@
-"""The commit rules' parameters (rescue/config.py: `calibration`, `helper_margin`), fitted on KV-Rescue rows of
+"""The commit rules' parameters (rescue/rules/: calibrated's numbers, lead:base's margin), fitted on KV-Rescue rows of
 training problems.
 
 Each round the PRM scored has a reward for every survivor; the committed one is labelled as a value head's step is
@@ -22,8 +22,7 @@ import numpy as np
 from ..errors import KVRescueError
 from ..rescue import Trajectory
 from ..rescue.arithmetic import false_equalities
-from ..rescue.config import IDENTITY_CALIBRATION
-from ..rescue.loop import calibrated
+from ..rescue.rules.calibrated import probability
 from .examples import check_split, usable
 
 MARGINS = tuple(round(0.005 * i, 3) for i in range(201))  # the base-first margins tried: 0 to 1 by 0.005
@@ -56,6 +55,7 @@ class CommitFit:
     head: str | None  # the fingerprint of the reward head whose rewards were calibrated (results_file.file_hash)
 
     def rule(self) -> dict:
+        """Its part of prmtrain.regime.regime_rule's parameters."""
         return {"helper_margin": self.helper_margin, "calibration": list(self.calibration),
                 "check_arithmetic": self.check_arithmetic}
 
@@ -114,19 +114,19 @@ def fit(rows: list[dict], where: str) -> CommitFit:
                             f"all come from trajectories that ended {'right' if labels == {1} else 'wrong'}, so "
                             "nothing tells a right step's reward from a wrong one's: fit on more training problems")
     steps = {}
-    calibration = list(IDENTITY_CALIBRATION)
+    calibration = [1.0, 0.0, 1.0, 0.0]  # base slope, base bias, helper slope, helper bias: fitted below
     for i, source in enumerate(("base", "helper")):
         mine = [r for r in rounds if r.committed == source]
         steps[source] = (len(mine), sum(r.right for r in mine))
         if not mine:
             raise KVRescueError(f"{where}: no scored round committed a {source} step: fit on KV-Rescue rows with "
-                                "the PRM choosing (`bench run --modes kvrescue --choice prm --split train`)")
+                                "the PRM choosing (`bench run --modes kvrescue --rule judge --split train`)")
         calibration[2 * i:2 * i + 2] = logistic(np.array([r.reward for r in mine]), np.array([r.right for r in mine],
                                                                                                dtype=float))
 
     def expected(margin: float) -> float:
-        return sum(calibrated(calibration, "helper", r.helper) if r.helper - r.base > margin
-                   else calibrated(calibration, "base", r.base) for r in rounds)
+        return sum(probability(calibration, "helper", r.helper) if r.helper - r.base > margin
+                   else probability(calibration, "base", r.base) for r in rounds)
 
     values = {m: expected(m) for m in MARGINS}
     best = max(values.values())

@@ -1,4 +1,4 @@
-"""The regime rule's budget (rescue/config.py: `judge_max_budget`), fitted per dataset on rows of training problems.
+"""The budget of the rule by budget (rescue/rules/by_budget.py), fitted per dataset on rows of training problems.
 
 Where the evicted base solves fewer training problems than the helper alone, its view is too broken for its own
 steps to come first, and the judge's pick, which lets the helper's steps in, is the rule; where it solves more, the
@@ -23,7 +23,38 @@ from dataclasses import dataclass
 
 from ..bench.metrics import problem_keys
 from ..errors import KVRescueError
+from ..rescue.rules import Arith, ByBudget, Calibrated, Lead, Rule
 from .examples import check_split
+
+# the pick's margin of each side's favourite in the fitted rules: above the layout noise of the judge's rewards, so
+# that the pick of near-equal steps does not depend on what shared their decodes (docs/prm.md)
+PICK_MARGIN = 0.005
+
+
+def regime_rule(judge_max_budget: int = 0, weak_base_choice: str = "helper-first", calibration=None,
+                helper_margin: float = 1.0, check_arithmetic: bool = False) -> Rule:
+    """The fitted rule: up to judge_max_budget the calibrated pick ("calibrated") or the helper's step first
+    ("helper-first"), the base's step first above it (with the helper's step let in where it is rewarded more than
+    helper_margin above), all inside the arithmetic check where it was fitted on."""
+    fit = None if calibration is None else tuple(float(x) for x in calibration)
+    weak = (Calibrated(fit) if weak_base_choice == "calibrated"
+            else Lead("helper", 1.0, PICK_MARGIN))
+    rule = ByBudget(int(judge_max_budget), weak, Lead("base", float(helper_margin), PICK_MARGIN))
+    return Arith(rule) if check_arithmetic else rule
+
+
+def rule_parameters(rule: Rule) -> dict:
+    """What regime_rule builds a rule from, read back from one it built (a stored commit.json's)."""
+    out: dict = {"check_arithmetic": isinstance(rule, Arith)}
+    inner = rule.rule if isinstance(rule, Arith) else rule
+    if isinstance(inner, ByBudget):
+        out["judge_max_budget"] = inner.budget
+        out["weak_base_choice"] = "calibrated" if isinstance(inner.up_to, Calibrated) else "helper-first"
+        if isinstance(inner.up_to, Calibrated) and inner.up_to.fit is not None:
+            out["calibration"] = list(inner.up_to.fit)
+        if isinstance(inner.above, Lead):
+            out["helper_margin"] = inner.above.margin
+    return out
 
 
 @dataclass(frozen=True)
@@ -47,7 +78,8 @@ class RegimeFit:
     weak_base_choice: str
 
     def rule(self) -> dict:
-        return {"choice": "regime", "judge_max_budget": self.judge_max_budget, "weak_base_choice": self.weak_base_choice}
+        """Its part of regime_rule's parameters."""
+        return {"judge_max_budget": self.judge_max_budget, "weak_base_choice": self.weak_base_choice}
 
 
 def one_candidate(rows: list[dict], mode: str) -> list[dict]:
@@ -97,8 +129,7 @@ def fit_regime(rows: list[dict], where: str, judged: Iterable[str] = (), calibra
 
 
 def default_rule(rules: Iterable[dict]) -> dict:
-    """The rule for problems of no known dataset (solve, serve), from the datasets' rules (RegimeFit.rule): the
-    smallest fitted budget, where the base was the weaker writer on every dataset measured, and there the helper's
-    step first: no calibration was fitted on the problem's dataset."""
-    return {"choice": "regime", "judge_max_budget": min(r["judge_max_budget"] for r in rules),
-            "weak_base_choice": "helper-first"}
+    """The rule's parameters for problems of no known dataset (solve, serve), from the datasets' (RegimeFit.rule):
+    the smallest fitted budget, where the base was the weaker writer on every dataset measured, and there the
+    helper's step first: no calibration was fitted on the problem's dataset."""
+    return {"judge_max_budget": min(r["judge_max_budget"] for r in rules), "weak_base_choice": "helper-first"}

@@ -2,8 +2,8 @@
 
 from .config import QWEN_MATH_COT, RescueConfig
 from .generator import Draft, Generator, Request
-from .loop import Models, Rescue, check_compatible, choose, longest_prompt, problem_key
+from .loop import Models, Rescue, check_compatible, longest_prompt, problem_key
 from .record import MODES, SCHEMA_VERSION, Candidate, Mode, Step, Trajectory
 
 __all__ = ["MODES", "QWEN_MATH_COT", "SCHEMA_VERSION", "Candidate", "Draft", "Generator", "Mode", "Models", "Request",
-           "Rescue", "RescueConfig", "Step", "Trajectory", "check_compatible", "choose", "longest_prompt", "problem_key"]
+           "Rescue", "RescueConfig", "Step", "Trajectory", "check_compatible", "longest_prompt", "problem_key"]

@@ -7,7 +7,6 @@ The dataclass defaults are the project's defaults: the command line takes its de
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import asdict, dataclass, field
 
 from ..detect import DetectorParams
@@ -17,20 +16,9 @@ from ..prm.formats import QWEN_MATH_CHAT
 from ..runtime import DEFAULT_FLASH_ATTN
 from ..runtime.context import check_cache_types
 from .record import Mode
+from .rules import Judge, Rule, parse_rule
 
-# how a round's winner is chosen among its survivors: the PRM's favourite; at random (what the PRM's choice is worth);
-# the base's favourite unless the PRM prefers the helper's by more than helper_margin ("base-first"); the helper's
-# favourite unless the PRM prefers the base's by more than base_margin ("helper-first"); the survivor most probably
-# right by each source's calibrated reward ("calibrated"); by the regime ("regime"): weak_base_choice at budgets up to
-# judge_max_budget, where the evicted base writes worse steps than the helper, base-first above
-CHOICES = ("prm", "random", "base-first", "helper-first", "calibrated", "regime")
-SCORED_CHOICES = ("prm", "base-first", "helper-first", "calibrated", "regime")  # the choices a PRM scores the survivors for
-WEAK_BASE_CHOICES = ("prm", "calibrated", "helper-first")  # the regime's rule where the base is the weaker writer
-RULE_SETTINGS = {"pick_margin": ("prm", "base-first", "helper-first", "regime"), "helper_margin": ("base-first", "regime"),
-                 "base_margin": ("helper-first", "regime"), "calibration": ("calibrated", "regime"),
-                 "judge_max_budget": ("regime",), "weak_base_choice": ("regime",)}
-SOME_SETTINGS = (*RULE_SETTINGS, "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
-IDENTITY_CALIBRATION = (1.0, 0.0, 1.0, 0.0)  # base slope, base bias, helper slope, helper bias: P = sigmoid(slope·r + bias)
+SOME_SETTINGS = ("rule", "helper_tau_entropy", "helper_tau_compression")  # RescueConfig.records
 LLAMA_MAX_SEQ = 256  # sequences per llama.cpp context (LLAMA_MAX_SEQ in src/llama-cparams.h)
 QWEN_MATH_COT = QWEN_MATH_CHAT  # the real presets' chat format (Qwen2.5-Math's chain-of-thought prompt)
 PRM_TEMPLATE_TOKENS = 256  # the PRM's chat template around the problem
@@ -64,46 +52,18 @@ class RescueConfig:
     helper_cache_type_k: str = "f16"
     helper_cache_type_v: str = "f16"
     helper_ctx: int = 0  # helper (and full-KV base) context; 0 = exactly what the limits need
-    # the round's winner: the PRM's favourite, or "random": a survivor drawn by a seed of (seed, problem, round),
-    # the baseline that says what the PRM's choice is worth
-    choice: str = "prm"
-    # with choice "prm": the winner is the first survivor, in the round's order (the base's candidates, then the
-    # helper's), whose score is within pick_margin of the best; 0: the best. A margin above the layout noise makes
-    # the pick of near-equal steps independent of what shared their decodes (docs/prm.md)
-    pick_margin: float = 0.0
-    # with choice "base-first": the helper's best survivor is committed over the base's best only when its reward is
-    # higher by more than this (or no base candidate survives); 1: only then, as a reward lies in [0, 1]
-    helper_margin: float = 1.0
-    # with choice "helper-first", its mirror: the base's best survivor is committed over the helper's best only when its
-    # reward is higher by more than this (or no helper candidate survives); 1: only then
-    base_margin: float = 1.0
-    # with choice "calibrated": each source's reward r mapped to P(step right) = sigmoid(slope·r + bias), fitted on
-    # the labelled steps of training problems (prmtrain/commit.py), as IDENTITY_CALIBRATION's four numbers
-    calibration: tuple[float, float, float, float] = IDENTITY_CALIBRATION
-    # with choice "regime": the largest base budget at which weak_base_choice commits; above it the rule is
-    # base-first. Fitted on training problems (prmtrain/regime.py): the budgets where evicted best-of-N solved fewer of
-    # them than the helper alone. 0: base-first at every budget, the base's own trajectory until a kill
-    judge_max_budget: int = 0
-    # with choice "regime", the rule where the base is the weaker writer: the PRM's favourite ("prm", as every regime
-    # row before this setting), calibrated per source ("calibrated"), or the helper's step first ("helper-first")
-    # where the PRM is not known to rank the dataset's steps or not calibrated on them (prmtrain/regime.py)
-    weak_base_choice: str = "prm"
+    # how a round's winner is chosen among its survivors: a commit rule (rescue/rules/), or its spec
+    rule: Rule = field(default_factory=Judge)
     # kvrescue mode: the detector's thresholds for the helper's candidates (its windows are the base's); 0 and 0: the
     # helper is not watched, the default, as in every row written before these settings. A round whose candidates
     # all die commits the least degenerate (Step.fallback)
     helper_tau_entropy: float = 0.0
     helper_tau_compression: float = 0.0
-    # rounds with a choice: a survivor whose step states false arithmetic ("15 × 0.08 = 12", rescue/arithmetic.py)
-    # is set aside while another survivor states none, before the rule chooses; fitted per dataset on training rows
-    # (prmtrain/commit.py). A configuration of its own in a sweep (its rows' config key ends "-arith")
-    check_arithmetic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode.parse(self.mode))
-        object.__setattr__(self, "calibration", tuple(float(x) for x in self.calibration))
-        if len(self.calibration) != 4 or not all(math.isfinite(x) for x in self.calibration):
-            raise KVRescueError(f"calibration takes four finite numbers (base slope, base bias, helper slope, helper "
-                                f"bias), not {self.calibration}: refit it with perf/fit_commit.py")
+        if not isinstance(self.rule, Rule):
+            object.__setattr__(self, "rule", parse_rule(self.rule, "rule"))
         if self.n < 1:
             raise SettingError(f"{{n}} must be at least 1 (got {self.n}): it is the number of candidates per model per "
                                "round", "n")
@@ -114,37 +74,20 @@ class RescueConfig:
                                "n")
         if self.max_step_tokens < 1 or self.max_tokens < 1 or self.max_steps < 1:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
-        if not 0 <= self.pick_margin < 1:
-            raise KVRescueError(f"--pick-margin must be in [0, 1), a difference of rewards (got {self.pick_margin})")
         if (self.helper_tau_entropy, self.helper_tau_compression) != (0.0, 0.0):  # used in kvrescue mode only
             if self.helper_tau_entropy <= 0 or not 0 < self.helper_tau_compression < 1.5:
                 raise KVRescueError(f"the helper's detector takes both thresholds: --helper-tau-entropy > 0 (nats) and "
                                     f"--helper-tau-compression in (0, 1.5) (got {self.helper_tau_entropy}, "
                                     f"{self.helper_tau_compression}); 0 and 0 leave the helper unwatched")
-        for option, margin in (("--helper-margin", self.helper_margin), ("--base-margin", self.base_margin)):
-            if not 0 <= margin <= 1:
-                raise KVRescueError(f"{option} must be in [0, 1], a difference of rewards (got {margin})")
-        if not isinstance(self.check_arithmetic, bool):
-            raise KVRescueError(f"check_arithmetic is true or false, not {self.check_arithmetic!r}: refit the preset's "
-                                "commit.json with perf/fit_commit.py")
-        if self.weak_base_choice not in WEAK_BASE_CHOICES:
-            raise KVRescueError(f"unknown weak-base choice {self.weak_base_choice!r}: use one of "
-                                f"{', '.join(WEAK_BASE_CHOICES)}")
-        if self.judge_max_budget < 0:
-            raise KVRescueError(f"--judge-max-budget must be 0 or more, a KV budget (got {self.judge_max_budget})")
-        if self.choice not in CHOICES:
-            raise KVRescueError(f"unknown choice {self.choice!r}: use one of {', '.join(CHOICES)}")
         if "{problem}" not in self.prompt:
             raise KVRescueError("the prompt template must contain {problem}")
         check_cache_types(self.cache_type_k, self.cache_type_v, self.flash_attn, "-ctk", "-ctv")
         check_cache_types(self.helper_cache_type_k, self.helper_cache_type_v, self.flash_attn, "-ctkh", "-ctvh")
 
     @property
-    def rule(self) -> str:
-        """The commit rule the rounds follow: the choice, with "regime" resolved by the base's budget."""
-        if self.choice != "regime":
-            return self.choice
-        return self.weak_base_choice if self.kv.budget <= self.judge_max_budget else "base-first"
+    def commit_rule(self) -> Rule:
+        """The commit rule the rounds follow: the rule, a composition by budget resolved at the base's budget."""
+        return self.rule.at_budget(self.kv.budget)
 
     @property
     def helper_detector(self) -> DetectorParams | None:
@@ -156,10 +99,10 @@ class RescueConfig:
 
     def records(self, setting: str) -> bool:
         """Whether rows of this configuration record a setting that only some configurations use (SOME_SETTINGS):
-        a rule's parameters where a PRM scores for that rule, the helper's thresholds where a detector runs."""
+        the rule's spec where a judge scores for it, the helper's thresholds where a detector runs."""
         if setting in ("helper_tau_entropy", "helper_tau_compression"):
             return self.mode.detects
-        return self.needs_prm and self.choice in RULE_SETTINGS[setting]
+        return self.needs_prm
 
     def cache_types(self, side: str) -> tuple[str, str]:
         """(K, V) cache types of a side's contexts ("base" or "helper")."""
@@ -185,8 +128,8 @@ class RescueConfig:
 
     @property
     def needs_prm(self) -> bool:
-        """A PRM chooses: rounds have more than one candidate and the choice is the PRM's."""
-        return self.candidates_per_round > 1 and self.choice in SCORED_CHOICES
+        """A judge scores: rounds have more than one candidate and the rule in force needs one."""
+        return self.candidates_per_round > 1 and self.commit_rule.needs_judge
 
     def full_context(self, prompt_tokens: int) -> int:
         """Cells of a context that never evicts (the helper, the full-KV base): the prompt, the whole
@@ -230,7 +173,7 @@ class RescueConfig:
     def as_dict(self) -> dict:
         out = asdict(self)
         out["mode"] = self.mode.value
-        out["calibration"] = list(self.calibration)  # as JSON reads it back
+        out["rule"] = self.rule.spec
         return out
 
     def with_overrides(self, overrides: dict) -> RescueConfig:

@@ -16,13 +16,11 @@ text, the round, the side and the candidate, so a trajectory does not depend on 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
 
-import numpy as np
 
 from ..answers import last_boxed
 from ..detect import Detector
@@ -30,11 +28,11 @@ from ..errors import KVRescueError
 from ..prm import PRM
 from ..runtime import Model, SamplingParams
 from ..runtime.context import kv_bytes_per_cell
-from .arithmetic import false_equalities
 from .config import LLAMA_MAX_SEQ, RescueConfig
 from .generator import Draft, Generator, Request
 from .judge import HelperHead, HelperJudge
 from .record import Step, Trajectory
+from .rules.calibrated import unfitted
 
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 Item = TypeVar("Item")
@@ -79,68 +77,6 @@ def longest_prompt(config: RescueConfig, models: list[Model | None], problems: l
 def problem_key(problem: str) -> int:
     """A stable number for a problem's text, part of its seeds: the same in `solve` and `bench`, at any K."""
     return int.from_bytes(hashlib.sha256(problem.encode()).digest()[:4], "little")
-
-
-def choose(survivors: list[Draft], config: RescueConfig, key: int, round_index: int, seed: int | None = None) -> Draft:
-    """The round's winner by config.choice (a lone survivor is unscored): "prm", the PRM's favourite, or the first
-    survivor within config.pick_margin of it; "random", one drawn by a seed of the run's seed (`seed`, else the
-    config's), the problem's key and the round (reproducible, and not the same draw on every problem);
-    "base-first", "helper-first" and "calibrated", see lead and most_probable; "regime", one of those by the base's
-    budget (RescueConfig.rule)."""
-    rule = config.rule
-    if rule == "random":
-        rng = np.random.default_rng([config.seed if seed is None else seed, key, round_index])
-        return survivors[int(rng.integers(len(survivors)))]
-    if rule == "base-first":
-        return lead(survivors, "base", config.helper_margin, config.pick_margin)
-    if rule == "helper-first":
-        return lead(survivors, "helper", config.base_margin, config.pick_margin)
-    if rule == "calibrated":
-        return most_probable(survivors, config.calibration)
-    return favourite(survivors, config.pick_margin)
-
-
-def reward(draft: Draft) -> float:
-    return draft.score if draft.score is not None else 0.0
-
-
-def favourite(survivors: list[Draft], pick_margin: float) -> Draft:
-    """The best-scored survivor, or the first within pick_margin of it."""
-    best = max(reward(c) for c in survivors)
-    return next(c for c in survivors if reward(c) >= best - pick_margin)
-
-
-def lead(survivors: list[Draft], side: str, margin: float, pick_margin: float) -> Draft:
-    """`side`'s favourite survivor, unless none survives or the other side's favourite scores more than `margin`
-    above it. With the base leading, one base candidate a round, no kill and the margin never exceeded, the
-    trajectory is evicted best-of-N's (the base's seeds and sequences are the same in both modes)."""
-    ours = [c for c in survivors if c.side == side]
-    theirs = [c for c in survivors if c.side != side]
-    if not ours or not theirs:
-        return favourite(ours or theirs, pick_margin)
-    leader, other = favourite(ours, pick_margin), favourite(theirs, pick_margin)
-    return other if reward(other) - reward(leader) > margin else leader
-
-
-def calibrated(calibration: tuple[float, ...], side: str, value: float) -> float:
-    """P(step right) of a reward of `side`'s step under a calibration (RescueConfig.calibration)."""
-    slope, bias = calibration[:2] if side == "base" else calibration[2:]
-    return 1 / (1 + math.exp(-(slope * value + bias)))
-
-
-def most_probable(survivors: list[Draft], calibration: tuple[float, float, float, float]) -> Draft:
-    """The survivor most probably right: its reward mapped through its source's calibration (the first on a tie)."""
-    return max(survivors, key=lambda c: calibrated(calibration, c.side, reward(c)))
-
-
-def arithmetic_checked(survivors: list[Draft]) -> list[Draft]:
-    """The survivors whose steps state no false arithmetic, where one does and some other does not (then the others
-    are set aside); every survivor otherwise. A lone survivor is not checked: there is nothing to set it aside for."""
-    if len(survivors) < 2:
-        return survivors
-    for draft in survivors:
-        draft.false_arithmetic = false_equalities(draft.content)
-    return [c for c in survivors if not c.false_arithmetic] or survivors
 
 
 def least_degenerate(killed: list[Draft]) -> Draft:
@@ -199,13 +135,18 @@ class Rescue:
         """per_context: most problems that share one context per model [default: `problems_per_context`]; more
         problems at once run in lanes of their own contexts, one round of each lane after the other."""
         self.config = config
+        self.rule = config.commit_rule
+        if unfitted(self.rule):
+            raise KVRescueError(f"rule {config.rule} has a calibrated part without its four numbers, and this run has "
+                                "no fitted calibration to take: give them (calibrated:BS,BB,HS,HB), or run a dataset "
+                                "the preset fitted one for (docs/prm.md)")
         if config.uses_base and base is None:
             raise KVRescueError(f"mode {config.mode} needs a base model: pass --base")
         if config.uses_helper and helper is None:
             raise KVRescueError(f"mode {config.mode} needs a helper model: pass --helper")
         if prm is None and config.needs_prm:
             raise KVRescueError(f"{config.candidates_per_round} candidates per round need a PRM to choose between "
-                                "them: pass --prm (or use N=1, or --choice random)")
+                                "them: pass --prm (or use N=1, or --rule random)")
         config.check_concurrency(concurrency)  # the limits of one context hold in lanes too: a GPU runs one
         judge = prm if config.needs_prm else None  # with one candidate, or a random choice, nothing to score
         in_helper = isinstance(judge, HelperHead)
@@ -378,9 +319,8 @@ class Rescue:
         """Commit the problem's winner of this round; True when the problem is finished."""
         traj = s.trajectory
         survivors = [c for c in s.drafts if not c.killed]
-        if self.config.check_arithmetic:
-            survivors = arithmetic_checked(survivors)
-        winner = choose(survivors, self.config, s.key, s.round, s.seed) if survivors else least_degenerate(s.drafts)
+        seeds = (self.config.seed if s.seed is None else s.seed, s.key, s.round)
+        winner = self.rule.choose(survivors, seeds) if survivors else least_degenerate(s.drafts)
         step = Step(s.round, winner.content, winner.side, winner.score, winner.finished, [c.record() for c in s.drafts],
                     fallback=not survivors)
         traj.steps.append(step)

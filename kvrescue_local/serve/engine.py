@@ -2,7 +2,7 @@
 
 One thread owns the models and runs Rescue.run over a feeder that hands it queued requests whenever a
 slot is free (continuous batching). Requests of one engine configuration (mode, N, budget, policy,
-choice, temperature, top-p) share a run; each carries its own seed, so its trajectory is the one `solve`
+rule, temperature, top-p) share a run; each carries its own seed, so its trajectory is the one `solve`
 gives with that seed. When the oldest waiting request needs another configuration, the run stops taking
 new requests, finishes those in flight and the next run builds that configuration's contexts. Events go
 back to each request's asyncio queue through its event loop; a request cancelled by its client (or done

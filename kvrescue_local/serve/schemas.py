@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 import click
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from ..rescue.rules import CHOICE_SPECS
 from ..settings import BY_FIELD, SETTINGS, checked
 
 EXTENSION = "kvrescue"  # the key of the extension field on chunks and choices: standard clients ignore it
@@ -44,6 +45,13 @@ def unsupported(*neutral) -> AfterValidator:
     return AfterValidator(check)
 
 
+def refuse_choice(value):
+    if value is not None:
+        raise ValueError(f"choice is gone: commit rules are specs now, send \"rule\": "
+                         f"\"{CHOICE_SPECS.get(str(value), 'judge')}\" (docs/serving.md)")
+    return value
+
+
 class OpenAIFields(BaseModel):
     """OpenAI's fields that every completion request may set; a field of another name, or a value of another JSON
     type, is refused."""
@@ -54,6 +62,8 @@ class OpenAIFields(BaseModel):
     stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOPS)], None] = None
     stream: bool = False
     logprobs: Annotated[Any, unsupported(False, 0)] = None
+    # the field that named a rule before rules were specs: refused, naming the spec that says the same
+    choice: Annotated[Any, AfterValidator(refuse_choice)] = None
 
     def stops(self) -> list[str]:
         if self.stop is None:
