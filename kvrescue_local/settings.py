@@ -160,8 +160,8 @@ class Setting:
     (None: the server's alone, as -t, -ngl); json: the JSON type a request gives it (an int is a number too);
     default: the default's words where RescueConfig's value does not say it; name: the option's parameter name (the
     field's own by default); follows: the setting whose value it takes when it is not given; axis: the `bench run`
-    option that sweeps it in its place there; values: the values it takes in words, where its kind's range depends
-    on the machine."""
+    option that sweeps it in its place there; values: the values it takes in words, where its kind does not say them
+    (or says them per machine)."""
 
     field: str
     flags: tuple[str, ...]
@@ -207,7 +207,7 @@ def cache_type_setting(field: str, flags: tuple[str, ...], help: str, **more) ->
 
 # Options left unset (None) take the preset's recipe, else RescueConfig's defaults (compose.py)
 SETTINGS = (
-    Setting("mode", ("--mode",), click.Choice(MODES), "the search: evicted base and full helper (kvrescue), the "
+    Setting("mode", ("--mode",), MODE, "the search: evicted base and full helper (kvrescue), the "
             "full-KV base alone (full), evicted best-of-N (bon), the helper alone (helper)", "common",
             request="mode", json=str, axis="--modes"),
     Setting("n", ("-n", "--n"), POSITIVE, "candidates per model per round (serve: the most a request may ask)",
@@ -266,7 +266,6 @@ SETTINGS = (
                        follows="cache_type_v"),
 )
 BY_FIELD = {setting.field: setting for setting in SETTINGS}
-BY_PARAM = {setting.param: setting for setting in SETTINGS}
 
 
 def config_overrides(values: dict) -> dict:
