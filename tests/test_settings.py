@@ -61,6 +61,14 @@ def test_a_budget_too_small_for_the_window_is_named_as_the_request_field(server)
     assert "raise budget to at least 9 or lower the server's window" in error["message"]
 
 
+def test_a_setting_a_request_cannot_set_is_named_as_the_servers(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a=1 " * 2000}, timeout=120)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert "one step of the server's max-step-tokens 12 must fit after it" in error["message"]
+    assert "--" not in error["message"]
+
+
 def test_the_command_line_names_the_same_refusal_by_its_option(tmp_path):
     assert one_error_line(invoke("solve", *FAST, "--budget", 1, PROBLEM)).startswith(
         "Error: --budget 1 leaves no room for the policy")
