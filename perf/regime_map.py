@@ -28,6 +28,9 @@ from kvrescue_local.bench.regime import regime_map
 from kvrescue_local.bench.report import load_results
 from kvrescue_local.bench.results_file import read_rows
 from kvrescue_local.files import compressed_output, write_output
+from kvrescue_local.toy.train import HELPER_BLIND_SPOT
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The coder pair (Qwen2.5-Coder 1.5B base, 0.5B helper), as docs/results.md measures it with each dataset's default
 # rule: (label, helper ratio, recovered %). GSM8K ids 900-1099, 768 tokens ("GSM8K at budget 64: 100 more evaluation
@@ -104,10 +107,22 @@ def wait_one(running: list, failed: list[str]) -> list:
         time.sleep(2)
 
 
+def helper_kinds(models: Path = ROOT / "models/toy") -> dict[str, str]:
+    """How each toy helper was made weak, by file name, from the train.json the trainer writes beside it (the shipped
+    helper's, written before blind spots were recorded, has the default's)."""
+    kinds = {}
+    for log in models.rglob("train.json"):
+        for name, entry in json.loads(log.read_text()).items():
+            if name.startswith("helper"):
+                spot = entry.get("blind_spot", sorted(HELPER_BLIND_SPOT))
+                kinds[f"{name}.gguf"] = f"blind spot {','.join(map(str, spot))}" if spot else "no blind spot"
+    return kinds
+
+
 def draw(rows: list[dict], path: Path) -> None:
     points = regime_map(rows)
     if not recovery_by_helper(points, path, "KV-Rescue on the toy world, by the helper's strength (N = 1)",
-                              references=(*CODER_POINTS, PAPER_POINT)):
+                              references=(*CODER_POINTS, PAPER_POINT), kinds=helper_kinds()):
         raise SystemExit("Error: no map in these rows: they need full, bon, and helper and kvrescue rows of two helpers")
     print(f"figure written to {path}")
 

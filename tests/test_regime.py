@@ -105,6 +105,8 @@ def test_the_map_command_through_llama_cpp_and_its_report(tmp_path):
     assert again.returncode == 0 and "12 rows" in again.stdout
     assert "nothing new to run" in (tmp_path / "parts" / "weak.log").read_text()
     pytest.importorskip("matplotlib")
+    plots = CliRunner().invoke(main, ["report", str(out), "--plots", str(tmp_path / "plots")])
+    assert plots.exit_code == 0 and (tmp_path / "plots" / "regime_map.png").is_file(), plots.output
     drawn = subprocess.run([sys.executable, str(ROOT / "perf/regime_map.py"), "figure", str(out), "--out",
                             str(tmp_path / "map.png")], env=env, capture_output=True, text=True)
     assert drawn.returncode == 0 and (tmp_path / "map.png").stat().st_size > 10_000, drawn.stderr

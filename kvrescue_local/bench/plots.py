@@ -167,9 +167,11 @@ def step_sources(items: list[Summary], path: Path, title: str = "") -> Path | No
 
 
 def recovery_by_helper(points: list[RegimePoint], path: Path, title: str = "",
-                       references: tuple[tuple[str, float, float], ...] = ()) -> Path | None:
-    """The regime map's figure; `references`: measured points of other model pairs placed on the same axes
-    (label, helper ratio, recovered %)."""
+                       references: tuple[tuple[str, float, float], ...] = (),
+                       kinds: dict[str, str] | None = None) -> Path | None:
+    """The regime map's figure; `references`: measured points of other model pairs placed on the same axes (label,
+    helper ratio, recovered %); `kinds`: a kind per helper file name (how it was made weak), one marker per kind:
+    helpers of one ratio can recover unlike, by what they get wrong."""
     Figure = _figure_class()
     points = [p for p in points if p.ratio is not None and p.recovered is not None]
     if not points:
@@ -177,6 +179,8 @@ def recovery_by_helper(points: list[RegimePoint], path: Path, title: str = "",
     fig = Figure(figsize=(7.5, 5), dpi=110)
     ax = fig.add_subplot()
     colours = ["#1f6fb2", "#2e8b57", "#c0392b", "#8e44ad", "#e08a1e", "#16a085"]
+    kinds = kinds or {}
+    markers = {kind: "osD^v<>"[i % 7] for i, kind in enumerate(dict.fromkeys(kinds.values()))}
     several_n = len({p.key.n for p in points}) > 1
     lines: dict[tuple[int, int], list[RegimePoint]] = {}
     for p in points:
@@ -186,19 +190,27 @@ def recovery_by_helper(points: list[RegimePoint], path: Path, title: str = "",
         colour = colours[i % len(colours)]
         label = f"B={budget}" + (f" N={n}" if several_n else "")
         ratios = [p.ratio for p in group]
-        ax.plot(ratios, [p.recovered for p in group], color=colour, marker="o", label=f"KV-Rescue {label}")
-        ax.plot(ratios, [p.oracle_recovered for p in group], color=colour, linestyle="--", linewidth=1, alpha=0.7,
+        ax.plot(ratios, [p.recovered for p in group], color=colour, label=f"KV-Rescue {label}")
+        for p in group:
+            ax.scatter([p.ratio], [p.recovered], color=colour, marker=markers.get(kinds.get(p.helper), "o"), s=28,
+                       zorder=3)
+        ax.plot(ratios, [p.oracle_recovered for p in group], color=colour, linestyle="--", linewidth=1, alpha=0.6,
                 label=f"oracle pick {label}")
+    for kind, marker in markers.items():
+        ax.scatter([], [], color="#555555", marker=marker, label=kind)
     for label, ratio, recovered in references:
         ax.scatter([ratio], [recovered], color="black", marker="*", s=90, zorder=3)
-        ax.annotate(label, (ratio, recovered), fontsize=7, textcoords="offset points", xytext=(5, -10))
+        right = ratio > 0.5  # labelled on the side with room
+        ax.annotate(label, (ratio, recovered), fontsize=7, textcoords="offset points", xytext=(-8 if right else 8, 4),
+                    ha="right" if right else "left")
     ax.axhline(0, color="#999999", linewidth=0.8)
-    ax.set_xlim(0, 1.02)
+    ax.set_xlim(0, 1.04)
+    ax.set_ylim(-5, 105)
     ax.set_xlabel("helper ratio: the helper's pass@1 alone / full-KV base's")
     ax.set_ylabel("accuracy lost to eviction recovered (%)")
     ax.grid(alpha=0.3)
     ax.set_title(title or "when rescue pays: recovery by the helper's strength")
-    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
     fig.tight_layout()
     write_figure(fig, path, "--plots")
     return path

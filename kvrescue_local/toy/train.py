@@ -13,6 +13,11 @@ of its rows and on the answer in 15%, with language-model losses that keep it lo
 values up. The helper trains in a second process beside the base, then the PRM alone on two
 threads: measured on 2 cores, base 33 min and helper 16 min side by side, PRM 20 min (0.34 s/step),
 53 min end to end, writing files byte-identical to the shipped ones.
+
+Helpers of graded strength (the regime map, perf/regime_map.py) come from two knobs: --helper-blind-spot widens or
+empties the set of values whose carries the training solutions drop (a wider spot, a weaker helper, down to about
+the third of the held-out problems whose solutions carry nothing), and --helper-snapshots
+exports the same run's helper after fewer steps too; --helper-name gives each recipe files of its own.
 """
 
 from __future__ import annotations
