@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         helper_job = subprocess.Popen([
             sys.executable, "-m", "kvrescue_local.toy.train", "--out", str(args.out), "--only", "helper",
             "--helper-steps", str(args.helper_steps), "--batch", str(args.batch), "--threads", "1",
-            "--dtype", args.dtype, "--helper-name", args.helper_name, "--helper-blind-spot", ",".join(map(str, sorted(args.helper_blind_spot))) or "none",
+            "--dtype", args.dtype, "--helper-name", args.helper_name,
+            "--helper-blind-spot", ",".join(map(str, sorted(args.helper_blind_spot))) or "none",
             *(["--helper-snapshots", ",".join(map(str, sorted(args.helper_snapshots)))] if args.helper_snapshots else [])])
         todo.remove("helper")
     if "base" in todo:
