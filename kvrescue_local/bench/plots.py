@@ -10,6 +10,9 @@
 - `detector_stats[-<dataset>].png` (Figure 3): histograms of the base candidates' maximum windowed
   mean entropy and minimum compression ratio, killed candidates stacked on top, with the configured
   thresholds as vertical lines.
+- `regime_map[-<dataset>].png`: the share of the accuracy lost to eviction that KV-Rescue recovers against the
+  helper's pass@1 as a fraction of full KV's, one line per budget (and N), the oracle pick between whole answers
+  dashed beside each (rows of several helpers: bench/regime.py).
 Only the figures the data supports are written (no kvrescue rows: no Figure 6, and so on).
 """
 
@@ -21,9 +24,10 @@ from ..errors import KVRescueError
 from ..files import Reads, check_not_read, write_figure
 from ..rescue import Mode
 from .metrics import Summary, summaries
+from .regime import RegimePoint, regime_map
 
 COLOURS = {"full": "#333333", "helper": "#e08a1e", "bon": "#c0392b", "kvrescue": "#1f6fb2"}
-PLOTS = ("pass1_vs_budget", "step_sources", "memory_accuracy", "detector_stats")  # each written as PLOT[-dataset].png
+PLOTS = ("pass1_vs_budget", "step_sources", "memory_accuracy", "detector_stats", "regime_map")  # each written as PLOT[-dataset].png
 BASE_COLOUR, HELPER_COLOUR, KILLED_COLOUR = "#1f6fb2", "#e08a1e", "#c0392b"
 
 
@@ -162,6 +166,56 @@ def step_sources(items: list[Summary], path: Path, title: str = "") -> Path | No
     return path
 
 
+def recovery_by_helper(points: list[RegimePoint], path: Path, title: str = "",
+                       references: tuple[tuple[str, float, float], ...] = (),
+                       kinds: dict[str, str] | None = None) -> Path | None:
+    """The regime map's figure; `references`: measured points of other model pairs placed on the same axes (label,
+    helper ratio, recovered %); `kinds`: a kind per helper file name (how it was made weak), one marker per kind:
+    helpers of one ratio can recover unlike, by what they get wrong."""
+    Figure = _figure_class()
+    points = [p for p in points if p.ratio is not None and p.recovered is not None]
+    if not points:
+        return None
+    fig = Figure(figsize=(7.5, 5), dpi=110)
+    ax = fig.add_subplot()
+    colours = ["#1f6fb2", "#2e8b57", "#c0392b", "#8e44ad", "#e08a1e", "#16a085"]
+    kinds = kinds or {}
+    markers = {kind: "osD^v<>"[i % 7] for i, kind in enumerate(dict.fromkeys(kinds.values()))}
+    several_n = len({p.key.n for p in points}) > 1
+    lines: dict[tuple[int, int], list[RegimePoint]] = {}
+    for p in points:
+        lines.setdefault((p.key.n, p.key.budget), []).append(p)
+    for i, ((n, budget), group) in enumerate(sorted(lines.items())):
+        group.sort(key=lambda p: p.ratio)
+        colour = colours[i % len(colours)]
+        label = f"B={budget}" + (f" N={n}" if several_n else "")
+        ratios = [p.ratio for p in group]
+        ax.plot(ratios, [p.recovered for p in group], color=colour, label=f"KV-Rescue {label}")
+        for p in group:
+            ax.scatter([p.ratio], [p.recovered], color=colour, marker=markers.get(kinds.get(p.helper), "o"), s=28,
+                       zorder=3)
+        ax.plot(ratios, [p.oracle_recovered for p in group], color=colour, linestyle="--", linewidth=1, alpha=0.6,
+                label=f"oracle pick {label}")
+    for kind, marker in markers.items():
+        ax.scatter([], [], color="#555555", marker=marker, label=kind)
+    for label, ratio, recovered in references:
+        ax.scatter([ratio], [recovered], color="black", marker="*", s=90, zorder=3)
+        right = ratio > 0.5  # labelled on the side with room
+        ax.annotate(label, (ratio, recovered), fontsize=7, textcoords="offset points", xytext=(-8 if right else 8, 4),
+                    ha="right" if right else "left")
+    ax.axhline(0, color="#999999", linewidth=0.8)
+    ax.set_xlim(0, 1.04)
+    ax.set_ylim(-5, 105)
+    ax.set_xlabel("helper ratio: the helper's pass@1 alone / full-KV base's")
+    ax.set_ylabel("accuracy lost to eviction recovered (%)")
+    ax.grid(alpha=0.3)
+    ax.set_title(title or "when rescue pays: recovery by the helper's strength")
+    ax.legend(fontsize=7, loc="lower right", ncol=2)
+    fig.tight_layout()
+    write_figure(fig, path, "--plots")
+    return path
+
+
 def hist_bins(values: list[float], n: int = 40) -> list[float]:
     """n equal bins over the values with a 2% margin; the last edge is set exactly (lo + (hi - lo) can round
     below hi, and a value beyond the last edge would silently drop out of the histogram)."""
@@ -229,7 +283,8 @@ def write_plots(rows: list[dict], out_dir: str | Path, reads: Reads = ()) -> lis
         for made in (pass1_vs_budget(items, path["pass1_vs_budget"], f"pass@1 vs KV budget{name}"),
                      step_sources(items, path["step_sources"], f"kvrescue: share of committed steps{name}"),
                      memory_accuracy(items, path["memory_accuracy"], f"pass@1 vs KV memory{name}"),
-                     detector_stats(subset, path["detector_stats"], f"degeneration detector on base candidates{name}")):
+                     detector_stats(subset, path["detector_stats"], f"degeneration detector on base candidates{name}"),
+                     recovery_by_helper(regime_map(subset), path["regime_map"], f"recovery by the helper's strength{name}")):
             if made:
                 written.append(made)
     return written

@@ -13,6 +13,9 @@ Table 1 (decode cost), per configuration: mean seconds per problem inside llama.
 Table 3 (throughput and KV memory by concurrency, and the memory-capped view), from rows that record
   their engine (see kvrescue_local/bench/throughput.py); several results files of one sweep run at
   different concurrencies are read together, and Tables 2 and 1 count each problem once.
+The regime map (rows of several helpers, each alone and in KV-Rescue, beside full KV and evicted best-of-N): per
+  helper and budget, its strength alone against full KV's, the share of the gap KV-Rescue recovers (paired
+  bootstrap interval), the oracle's share and the helper's share of the committed steps (bench/regime.py).
 Every number is defined in kvrescue_local/bench/metrics.py. Rows of one configuration made with different
 setups (model files, prompt template, settings; seeds aside) are shown apart, with a setup column and notes
 naming what differs, unless pool_setups pools them.
@@ -30,6 +33,7 @@ from ..files import check_input_file, decompressed
 from .metrics import (DEFAULT_CACHE, ConfigKey, PairedComparison, Summary, check_comparisons, choice_comparisons,
                       config_key, judge_comparisons, oracles, problem_keys, rule_comparisons, setup_comparisons,
                       setup_notes, summaries)
+from .regime import RegimePoint, regime_map
 from .results_file import REPORTED_ROW_SHAPE, rows_of
 from .throughput import Throughput, same_axes, throughputs
 
@@ -250,10 +254,35 @@ def render(rows: list[dict], markdown: bool = False, pool_setups: bool = False, 
     items = summaries(unique, pool_setups)
     tables = [table2(items), table1(items)]
     tables[0].notes += comparison_notes(unique, pool_setups)
+    points = regime_map(unique)
+    if points:
+        tables.append(regime_table(points))
     speeds = throughputs(rows, pool_setups)
     if speeds:
         tables += [table3(speeds), memory_capped(speeds, kv_cap)]
     return "\n\n".join(t.markdown() if markdown else t.text() for t in tables) + "\n"
+
+
+def regime_table(points: list[RegimePoint]) -> Table:
+    """The regime map (bench/regime.py): one row per helper and KV-Rescue configuration, by helper ratio."""
+    with_dataset = len({p.key.dataset for p in points}) > 1
+    headers = (["dataset"] if with_dataset else []) + [
+        "helper", "ratio", "budget", "N", "policy", "problems", "helper %", "full %", "bon %", "kvrescue %",
+        "recovered %", "95% interval", "oracle %", "oracle recovered %", "helper steps %"]
+    rows = []
+    for p in points:
+        interval = "-" if p.low is None else f"{p.low:.0f} to {p.high:.0f}"
+        rows.append(([p.key.dataset] if with_dataset else []) + [
+            p.helper, fmt(p.ratio, 2), str(p.key.budget), str(p.key.n), p.key.policy or "-", str(p.problems),
+            fmt(p.helper_pass1), fmt(p.full_pass1), fmt(p.bon_pass1), fmt(p.kvrescue_pass1), fmt(p.recovered, 0),
+            interval, fmt(p.oracle_pass1), fmt(p.oracle_recovered, 0), fmt(p.helper_steps)])
+    notes = ["ratio: the helper's pass@1 alone / full KV's; recovered %: (kvrescue - bon) / (full - bon) at the row's "
+             "budget and N, with its 95% paired bootstrap interval (problems resampled); oracle: the better of "
+             "best-of-N's and the helper's whole answers, problem by problem, and the share of the gap it recovers; "
+             "helper steps %: of KV-Rescue's committed steps, the helper's; all on the problems the four "
+             "configurations ran."]
+    align = ["l"] * (len(headers) - 14) + ["r"] * 14
+    return Table("Regime map: KV-Rescue by the helper's strength", headers, rows, align, notes)
 
 
 def _throughput_cells(key: ConfigKey) -> list[str]:

@@ -13,6 +13,11 @@ of its rows and on the answer in 15%, with language-model losses that keep it lo
 values up. The helper trains in a second process beside the base, then the PRM alone on two
 threads: measured on 2 cores, base 33 min and helper 16 min side by side, PRM 20 min (0.34 s/step),
 53 min end to end, writing files byte-identical to the shipped ones.
+
+Helpers of graded strength (the regime map, perf/regime_map.py) come from two knobs: --helper-blind-spot widens or
+empties the set of values whose carries the training solutions drop (a wider spot, a weaker helper, down to about
+the third of the held-out problems whose solutions carry nothing), and --helper-snapshots
+exports the same run's helper after fewer steps too; --helper-name gives each recipe files of its own.
 """
 
 from __future__ import annotations
@@ -130,8 +135,10 @@ def schedule(step: int, steps: int, warmup: int = 100) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
-def fit(model, batches, steps: int, lr: float, loss_fn, name: str, log_every: int = 100) -> float:
-    """AdamW with warmup and cosine decay; returns seconds."""
+def fit(model, batches, steps: int, lr: float, loss_fn, name: str, log_every: int = 100,
+        snapshot=None, snapshot_at: frozenset[int] = frozenset()) -> float:
+    """AdamW with warmup and cosine decay; returns seconds. After each step count in `snapshot_at`,
+    calls snapshot(model, steps done, training seconds so far)."""
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -149,6 +156,10 @@ def fit(model, batches, steps: int, lr: float, loss_fn, name: str, log_every: in
         if (step + 1) % log_every == 0 or step + 1 == steps:
             elapsed = time.perf_counter() - started
             print(f"{name} step {step + 1}/{steps} loss {running:.4f} {elapsed / (step + 1):.2f} s/step", flush=True)
+        if step + 1 in snapshot_at:
+            paused = time.perf_counter()
+            snapshot(model, step + 1, paused - started)
+            started += time.perf_counter() - paused  # the snapshot's own time is not training time
     return time.perf_counter() - started
 
 
@@ -204,8 +215,8 @@ def greedy_accuracy(model, count: int = 100, seed: int = 7, knobs: Knobs = Knobs
 
 
 def train_lm(shape: Qwen2Shape, steps: int, lr: float, batch: int, seed: int, name: str,
-             blind_spot: frozenset[int] = frozenset()):
-    """A language model on the task's solutions, through the curriculum."""
+             blind_spot: frozenset[int] = frozenset(), snapshot=None, snapshot_at: frozenset[int] = frozenset()):
+    """A language model on the task's solutions, through the curriculum (snapshots as in `fit`)."""
     import torch
 
     from .model import Qwen2
@@ -220,8 +231,32 @@ def train_lm(shape: Qwen2Shape, steps: int, lr: float, batch: int, seed: int, na
         step = next(done)
         return lm_batch(rng, batch, CURRICULUM[int(np.searchsorted(ends, step, side="right"))][0], blind_spot)
 
-    seconds = fit(model, batches, steps, lr, lm_loss, name)
+    seconds = fit(model, batches, steps, lr, lm_loss, name, snapshot=snapshot, snapshot_at=snapshot_at)
     return model, seconds
+
+
+def value_set(text: str) -> frozenset[int]:
+    """'8,9' -> {8, 9}; 'none' (or '') -> the empty set."""
+    if text.strip().lower() in ("", "none"):
+        return frozenset()
+    try:
+        values = frozenset(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give digits separated by commas (8,9), or none") from None
+    if not values <= set(range(10)):
+        raise argparse.ArgumentTypeError(f"{text!r}: ledger values are digits 0-9")
+    return values
+
+
+def step_counts(text: str) -> frozenset[int]:
+    """'1500,3000' -> {1500, 3000}."""
+    try:
+        counts = frozenset(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give step counts separated by commas (1500,3000)") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: step counts start at 1")
+    return counts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -231,6 +266,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="train only these (others are taken from the checkpoint cache)")
     parser.add_argument("--base-steps", type=int, default=7000)
     parser.add_argument("--helper-steps", type=int, default=6000)
+    parser.add_argument("--helper-blind-spot", type=value_set, default=HELPER_BLIND_SPOT, metavar="VALUES",
+                        help="ledger values whose carries (borrows) the helper's training solutions drop: "
+                             "8,9 (default, the shipped helper), 9, none, ...; a wider spot makes a weaker helper")
+    parser.add_argument("--helper-snapshots", type=step_counts, default=frozenset(), metavar="STEPS",
+                        help="also export the helper after these step counts of the same run "
+                             "(NAME-STEPS.gguf): helpers of graded strength from one training run")
+    parser.add_argument("--helper-name", default="helper", metavar="NAME",
+                        help="the helper's files: NAME.gguf (and NAME-STEPS.gguf), its train.json entry and GGUF name; "
+                             "helpers of other recipes need names of their own, which results tell apart")
     parser.add_argument("--prm-steps", type=int, default=3500)
     parser.add_argument("--prm-lr", type=float, default=1e-3)
     parser.add_argument("--prm-extra-layers", type=int, default=PRM_EXTRA_LAYERS)
@@ -281,7 +325,9 @@ def main(argv: list[str] | None = None) -> None:
         helper_job = subprocess.Popen([
             sys.executable, "-m", "kvrescue_local.toy.train", "--out", str(args.out), "--only", "helper",
             "--helper-steps", str(args.helper_steps), "--batch", str(args.batch), "--threads", "1",
-            "--dtype", args.dtype])
+            "--dtype", args.dtype, "--helper-name", args.helper_name,
+            "--helper-blind-spot", ",".join(map(str, sorted(args.helper_blind_spot))) or "none",
+            *(["--helper-snapshots", ",".join(map(str, sorted(args.helper_snapshots)))] if args.helper_snapshots else [])])
         todo.remove("helper")
     if "base" in todo:
         model, seconds = train_lm(BASE, args.base_steps, 3e-3, args.batch, 1, "base")
@@ -289,8 +335,16 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"helper training failed (exit {helper_job.returncode}); see its output above")
         export("base", model, BASE, args.base_steps, seconds, greedy_accuracy=greedy_accuracy(model))
     if "helper" in todo:
-        model, seconds = train_lm(HELPER, args.helper_steps, 3e-3, args.batch, 2, "helper", HELPER_BLIND_SPOT)
-        export("helper", model, HELPER, args.helper_steps, seconds, greedy_accuracy=greedy_accuracy(model))
+        spot = {"blind_spot": sorted(args.helper_blind_spot)}
+
+        def snapshot(model, steps: int, seconds: float) -> None:
+            export(f"{args.helper_name}-{steps}", model, HELPER, steps, seconds, greedy_accuracy=greedy_accuracy(model),
+                   **spot)
+
+        model, seconds = train_lm(HELPER, args.helper_steps, 3e-3, args.batch, 2, "helper", args.helper_blind_spot,
+                                  snapshot, args.helper_snapshots - {args.helper_steps})
+        export(args.helper_name, model, HELPER, args.helper_steps, seconds, greedy_accuracy=greedy_accuracy(model),
+               **spot)
     if "prm" in todo:
         torch.set_num_threads(args.prm_threads)
         torch.manual_seed(3)
