@@ -24,7 +24,6 @@ naming what differs, unless pool_setups pools them.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
