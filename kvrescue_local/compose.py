@@ -18,7 +18,7 @@ from .errors import KVRescueError
 from .files import check_input_file, file_hash
 from .hub import resolve_gguf, resolve_prm
 from .paths import CACHE
-from .presets import HELPER, Preset, load_preset, preset_of
+from .presets import HELPER, Preset, load_preset, owns, preset_of, without_fit
 from .prm import PRM, PRMParams, RewardHead, head_path, prm_format
 from .rescue import Models, RescueConfig
 from .rescue.judge import HelperHead
@@ -172,7 +172,7 @@ def check_calibration_head(selection: Selection, dataset: str | None, configs: l
                             f"rewards of head {fitted[:8]}, and --rule {calibrated[0].rule} at budget "
                             f"{calibrated[0].kv.budget} would read those of {head} ({used[:8]}) through it: pass "
                             "a --rule without calibrated (judge, lead:base, lead:helper), or refit the calibration on "
-                            "rows this head scored (perf/fit_commit.py, docs/prm.md)")
+                            "rows this head scored (`kvrescue-local fit`, docs/prm.md)")
 
 
 def prm_head_given(value: str | None) -> tuple[str | None, Path | None]:
@@ -212,13 +212,40 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         paths[role] = paths[role] and resolve_gguf(paths[role])
     if given["prm"] and not in_helper and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
         paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
+    check_judge_of_pair(preset, given, paths, needed, needs_prm and (given["prm"] is None or in_helper and not head_given))
     primary = "base" if needs_base else "helper"
-    source = preset if given[primary] is None else preset_of(primary, paths[primary])
+    if given[primary] is None or preset is not None and owns(preset, primary, paths[primary]):
+        source = preset
+    else:
+        source = preset_of(primary, paths[primary])
+    others = [role for role in ("base", "helper") if needed[role] and source and not owns(source, role, paths[role])]
+    if others:  # its prompt and settings still serve the model of its that runs; what was fitted for its pair not
+        note(f"the {source.name} preset's detector thresholds and rules were fitted for its own pair, and the "
+             f"{' and '.join(others)} is not its: they do not apply (`kvrescue-local fit` fits this pair's)")
+        source = without_fit(source)
     rpc = parse_endpoints(options["rpc"]) if options.get("rpc") else ()
     given_layers = options.get("n_gpu_layers")
     selection = Selection(paths, source, rpc, ALL_LAYERS if given_layers is None else given_layers)
     check_model_files(selection, given)
     return selection
+
+
+def check_judge_of_pair(preset: Preset | None, given: dict, paths: dict, needed: dict, preset_judge: bool) -> None:
+    """A preset's judge is fitted for its own pair: where --base or --helper replaces one of its models
+    (preset_judge: the run would judge with the preset's PRM or helper head), one Error line names how to get a judge
+    for this pair."""
+    if preset is None or not preset_judge:
+        return
+    replaced = [role for role in ("base", "helper") if needed[role] and given[role] and not owns(preset, role,
+                                                                                              paths[role])]
+    if replaced:
+        options = " and ".join(f"--{role} {given[role]}" for role in replaced)
+        raise KVRescueError(f"{options} replace{'s' if len(replaced) == 1 else ''} the {preset.name} preset's "
+                            f"model{'s' if len(replaced) > 1 else ''}, and its judge was fitted for its own pair: fit "
+                            "one for this pair (`kvrescue-local fit --base BASE.gguf --helper HELPER.gguf --data "
+                            "TRAIN.jsonl --out FOLDER`, then --preset FOLDER), pass a judge for it (--prm "
+                            "PATH.gguf[:HEAD.npz] or --prm helper:HEAD.npz), or a rule that needs no judge (--rule "
+                            "random)")
 
 
 def check_model_files(selection: Selection, given: dict) -> None:
