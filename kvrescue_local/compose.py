@@ -195,13 +195,14 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     in_helper = given["prm"] == HELPER
     needed = {"base": needs_base, "helper": needs_helper or in_helper and needs_prm, "prm": needs_prm}
     preset = None
+    notes = []  # said once the pair is checked: an Error line comes first
     if any(given[role] is None for role, need in needed.items() if need) or (in_helper and needs_prm and not head_given):
         preset = load_preset(options["preset"])
         if preset.note:
-            note(f"preset {preset.name}: {preset.note}")
+            notes.append(f"preset {preset.name}: {preset.note}")
         for role, need in needed.items():  # the note describes the preset's own models
             if need and options.get(role) and options[role] != str(getattr(preset, role)):
-                note(f"{role}: {options[role]} (--{role}), in place of the preset's")
+                notes.append(f"{role}: {options[role]} (--{role}), in place of the preset's")
     paths = {role: given[role] or (getattr(preset, role) if preset else None) for role in given}
     # a preset's head may ship apart from its backbone; a --prm backbone has its head beside it unless one is given
     if paths["prm"] == HELPER:
@@ -213,6 +214,8 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     if given["prm"] and not in_helper and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
         paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
     check_judge_of_pair(preset, given, paths, needed, needs_prm and (given["prm"] is None or in_helper and not head_given))
+    for text in notes:
+        note(text)
     primary = "base" if needs_base else "helper"
     if given[primary] is None or preset is not None and owns(preset, primary, paths[primary]):
         source = preset

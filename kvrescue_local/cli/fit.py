@@ -157,5 +157,5 @@ def fit_rows(rows: list[Path], judge_rows: list[Path], detector_stats: list[Path
                                                 indent=1) + "\n")
     click.echo(f"rule: {commit['rule']}")
     if detector is not None:
-        click.echo(f"detector: entropy {detector.tau_entropy:g} nats, zstd {detector.tau_compression:g}")
+        click.echo(f"detector: entropy {detector.tau_entropy} nats, zstd {detector.tau_compression}")
     click.echo(f"wrote {', '.join(written)} and preset.json to {out}")

@@ -132,7 +132,7 @@ class Fitter:
         collect(self.models.base, configs, [(label, p.id, p.problem) for p in self.plan.dataset.problems], stats,
                 self.reserve, on_solved=lambda *solved: step(1), on_skip=step)
         params = fit_detector(read_stats([stats]), self.plan.template.detector)
-        self.say(f"detector: entropy {params.tau_entropy:g} nats, zstd {params.tau_compression:g} "
+        self.say(f"detector: entropy {params.tau_entropy} nats, zstd {params.tau_compression} "
                  f"({'fitted' if params != self.plan.template.detector else 'the starting thresholds kept: no signal separated'}"
                  f" on {stats})")
         return params
