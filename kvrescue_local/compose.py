@@ -239,8 +239,9 @@ def check_judge_of_pair(preset: Preset | None, given: dict, paths: dict, needed:
     for this pair."""
     if preset is None or not preset_judge:
         return
-    replaced = [role for role in ("base", "helper") if needed[role] and given[role] and not owns(preset, role,
-                                                                                              paths[role])]
+    # a file that is no GGUF (missing, a FIFO, another format) is refused by its reader first, naming the file
+    replaced = [role for role in ("base", "helper") if needed[role] and given[role] and is_gguf(Path(paths[role]))
+                and not owns(preset, role, paths[role])]
     if replaced:
         options = " and ".join(f"--{role} {given[role]}" for role in replaced)
         raise KVRescueError(f"{options} replace{'s' if len(replaced) == 1 else ''} the {preset.name} preset's "
@@ -249,6 +250,17 @@ def check_judge_of_pair(preset: Preset | None, given: dict, paths: dict, needed:
                             "TRAIN.jsonl --out FOLDER`, then --preset FOLDER), pass a judge for it (--prm "
                             "PATH.gguf[:HEAD.npz] or --prm helper:HEAD.npz), or a rule that needs no judge (--rule "
                             "random)")
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file (a FIFO is never opened: it would block) that begins as a GGUF does."""
+    try:
+        if not path.is_file():
+            return False
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def check_model_files(selection: Selection, given: dict) -> None:
