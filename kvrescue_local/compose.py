@@ -213,7 +213,12 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         paths[role] = paths[role] and resolve_gguf(paths[role])
     if given["prm"] and not in_helper and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
         paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
-    check_judge_of_pair(preset, given, paths, needed, needs_prm and (given["prm"] is None or in_helper and not head_given))
+    preset_judge = given["prm"] is None or in_helper and not head_given
+    replaced = replaced_models(preset, given, paths, needed) if preset_judge else []
+    if replaced:
+        if needs_prm:
+            refuse_judge_of_another_pair(preset, given, replaced)
+        paths["prm"] = paths["prm_head"] = None  # a run that may not need it (serve) goes without, never with it
     for text in notes:
         note(text)
     primary = "base" if needs_base else "helper"
@@ -233,23 +238,24 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     return selection
 
 
-def check_judge_of_pair(preset: Preset | None, given: dict, paths: dict, needed: dict, preset_judge: bool) -> None:
-    """A preset's judge is fitted for its own pair: where --base or --helper replaces one of its models
-    (preset_judge: the run would judge with the preset's PRM or helper head), one Error line names how to get a judge
-    for this pair."""
-    if preset is None or not preset_judge:
-        return
+def replaced_models(preset: Preset | None, given: dict, paths: dict, needed: dict) -> list[str]:
+    """The roles whose model --base or --helper gives in place of the preset's own (preset.owns)."""
+    if preset is None:
+        return []
     # a file that is no GGUF (missing, a FIFO, another format) is refused by its reader first, naming the file
-    replaced = [role for role in ("base", "helper") if needed[role] and given[role] and is_gguf(Path(paths[role]))
-                and not owns(preset, role, paths[role])]
-    if replaced:
-        options = " and ".join(f"--{role} {given[role]}" for role in replaced)
-        raise KVRescueError(f"{options} replace{'s' if len(replaced) == 1 else ''} the {preset.name} preset's "
-                            f"model{'s' if len(replaced) > 1 else ''}, and its judge was fitted for its own pair: fit "
-                            "one for this pair (`kvrescue-local fit --base BASE.gguf --helper HELPER.gguf --data "
-                            "TRAIN.jsonl --out FOLDER`, then --preset FOLDER), pass a judge for it (--prm "
-                            "PATH.gguf[:HEAD.npz] or --prm helper:HEAD.npz), or a rule that needs no judge (--rule "
-                            "random)")
+    return [role for role in ("base", "helper") if needed[role] and given[role] and is_gguf(Path(paths[role]))
+            and not owns(preset, role, paths[role])]
+
+
+def refuse_judge_of_another_pair(preset: Preset, given: dict, replaced: list[str]) -> None:
+    """A preset's judge is fitted for its own pair: one Error line names how to get a judge for this one."""
+    options = " and ".join(f"--{role} {given[role]}" for role in replaced)
+    raise KVRescueError(f"{options} replace{'s' if len(replaced) == 1 else ''} the {preset.name} preset's "
+                        f"model{'s' if len(replaced) > 1 else ''}, and its judge was fitted for its own pair: fit "
+                        "one for this pair (`kvrescue-local fit --base BASE.gguf --helper HELPER.gguf --data "
+                        "TRAIN.jsonl --out FOLDER`, then --preset FOLDER), pass a judge for it (--prm "
+                        "PATH.gguf[:HEAD.npz] or --prm helper:HEAD.npz), or a rule that needs no judge (--rule "
+                        "random)")
 
 
 def is_gguf(path: Path) -> bool:

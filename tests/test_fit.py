@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvrescue_local.cli import main
+from kvrescue_local.cli import main, serve
+from kvrescue_local.cli.serve import build_served
+from kvrescue_local.files import file_hash
 from kvrescue_local.paths import SHIPPED_MODELS
 from kvrescue_local.prmtrain.rules_file import BASE_FIRST, fit_rules
 from kvrescue_local.toy.task import problems
@@ -53,6 +55,18 @@ def test_fit_writes_a_preset_folder_that_solve_runs_with_the_rule_and_thresholds
     assert config["rule"] == printed_rule
     assert config["detector"]["tau_entropy"] == float(entropy)
     assert config["detector"]["tau_compression"] == float(zstd.split()[0])
+    swept = CliRunner().invoke(main, ["bench", "run", "--preset", str(out), "--data", str(tmp_path / "train.jsonl"),
+                                      "--limit", "1", "--modes", "kvrescue", "--ns", "1", "--budgets", "48", "-t", "1",
+                                      "--results", str(tmp_path / "r.jsonl")])
+    assert swept.exit_code == 0, swept.output
+    row = json.loads((tmp_path / "r.jsonl").read_text())
+    assert row["config"]["rule"] == printed_rule and row["config"]["tau_entropy"] == float(entropy)
+    assert row["setup"]["models"]["prm"]["head_sha256"] == file_hash(out / "helper.head.npz")
+    served = build_served(serve.make_context("serve", ["--preset", str(out), "-t", "1"]).params)
+    try:
+        assert served.has_prm and served.config.rule.spec == printed_rule
+    finally:
+        served.engine.close()
     shown = CliRunner().invoke(main, ["models", "list", "--preset", str(out)])
     assert shown.exit_code == 0 and "fitted on 6 train problems" in shown.output, shown.output
     assert record["models"]["base"]["sha256"] in shown.output
@@ -121,6 +135,13 @@ def test_a_pair_of_no_preset_gets_no_judge_of_another_pair(base_path, helper_pat
     # one model of the toy's and one not: the toy's judge, thresholds and rule do not apply either
     mixed = CliRunner().invoke(main, [*args[:2], str(TOY / "base.gguf"), *args[3:]])
     assert mixed.exit_code != 0 and "--helper" in mixed.output and "judge was fitted for its own pair" in mixed.output
+    # a server, whose requests may not need a judge, starts without one rather than with the toy's
+    served = build_served(serve.make_context("serve", ["--preset", "toy", "-t", "1", "--base", str(base_path),
+                                                       "--helper", str(helper_path)]).params)
+    try:
+        assert not served.has_prm
+    finally:
+        served.engine.close()
 
 
 def test_fit_refuses_evaluation_problems_and_datasets_without_a_training_split(tmp_path):
