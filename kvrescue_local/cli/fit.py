@@ -144,17 +144,20 @@ def fit_rows(rows: list[Path], judge_rows: list[Path], detector_stats: list[Path
         save_params(detector, out / "detector.json")
         written.append("detector.json")
     all_rows = [row for found in rows_of.values() for row in found]
-    models = {}
-    for row in all_rows:  # the models by the fingerprints the rows recorded
-        for role, entry in ((row.get("setup") or {}).get("models") or {}).items():
+    seen: dict[str, dict] = {}
+    for row in all_rows:  # the models by the fingerprints the rows recorded (rows of several files: each once)
+        for role, entry in sorted(((row.get("setup") or {}).get("models") or {}).items()):
             if isinstance(entry, dict) and entry.get("sha256"):
-                models.setdefault(role, {"file": entry.get("file"), "sha256": entry["sha256"]})
+                seen.setdefault(role, {})[entry["sha256"]] = {"file": entry.get("file"), "sha256": entry["sha256"]}
+    models = {role: next(iter(found.values())) if len(found) == 1 else list(found.values())
+              for role, found in seen.items()}
     record = {"models": models, "problems": {"dataset": sorted({str(r.get("dataset")) for r in all_rows}),
                                              "count": len({(r.get("dataset"), r.get("id")) for r in all_rows})},
               "budgets": sorted({int((r.get("config") or {}).get("budget") or 0) for r in all_rows} - {0}),
               "date": date.today().isoformat(), "rows": [p.name for p in rows]}
-    (out / "preset.json").write_text(json.dumps({"note": "fitted by `kvrescue-local fit --rows`", FITTED: record},
-                                                indent=1) + "\n")
+    spec = out / "preset.json"  # a preset's own (note, prompt, recipe) stays: the record is laid beside them
+    kept = json.loads(spec.read_text()) if spec.is_file() else {"note": "fitted by `kvrescue-local fit --rows`"}
+    spec.write_text(json.dumps({**kept, FITTED: record}, indent=1) + "\n")
     click.echo(f"rule: {commit['rule']}")
     if detector is not None:
         click.echo(f"detector: entropy {detector.tau_entropy} nats, zstd {detector.tau_compression}")
