@@ -135,6 +135,14 @@ def test_a_pair_of_no_preset_gets_no_judge_of_another_pair(base_path, helper_pat
     # one model of the toy's and one not: the toy's judge, thresholds and rule do not apply either
     mixed = CliRunner().invoke(main, [*args[:2], str(TOY / "base.gguf"), *args[3:]])
     assert mixed.exit_code != 0 and "--helper" in mixed.output and "judge was fitted for its own pair" in mixed.output
+    # the toy's base with another helper and a judge given: the toy's prompt and windows serve, its fitted
+    # thresholds (models/toy/detector.json) do not
+    other = CliRunner().invoke(main, ["solve", "--helper", str(TOY / "prm.gguf"), "--prm", str(TOY / "prm.gguf"), "-n",
+                                      "1", "-t", "1", "--json", str(tmp_path / "m.json"), problems(5000, 1)[0].text])
+    assert other.exit_code == 0 and "the helper is not its: they do not apply" in other.output, other.output
+    detector = json.loads((tmp_path / "m.json").read_text())["config"]["detector"]
+    toy = json.loads((TOY / "detector.json").read_text())
+    assert detector["tau_entropy"] == 3.0 != toy["tau_entropy"] and detector["entropy_window"] == toy["entropy_window"]
     # a server, whose requests may not need a judge, starts without one rather than with the toy's
     served = build_served(serve.make_context("serve", ["--preset", "toy", "-t", "1", "--base", str(base_path),
                                                        "--helper", str(helper_path)]).params)

@@ -38,6 +38,7 @@ from ..rescue.limits import check_prompts_fit
 from ..runtime import Context, ContextParams, Model
 from .detector import collect, fit_detector, read_stats, settings
 from .features import FeatureCache, dataset_hidden
+from .examples import labelled_steps
 from .pipeline import helper_judge, labelled_rows, train
 from .regime import fit_regime
 from .rules_file import fit_rules
@@ -124,6 +125,18 @@ class Fitter:
         check_prompts_fit(plan.template, [models.base, models.helper], texts)
         self.reserve = longest_prompt(plan.template, [models.base, models.helper], list(texts.values()))
 
+    def mine(self, rows: list[dict]) -> list[dict]:
+        """The rows of this plan's problems and budgets: a folder's rows/ may hold more from an earlier, larger fit."""
+        problems = {(self.plan.dataset.label, p.id) for p in self.plan.dataset.problems}
+        budgets = {0, *self.plan.budgets}
+
+        def budget(row: dict) -> int:  # a results row's, or a statistics line's setting ("full", "bon@64")
+            if "config" in row:
+                return int((row.get("config") or {}).get("budget") or 0)
+            return int(str(row.get("setting")).partition("@")[2] or 0)
+
+        return [r for r in rows if (str(r.get("dataset")), str(r.get("id"))) in problems and budget(r) in budgets]
+
     def detector(self):
         stats = self.plan.rows / "detector.jsonl"
         configs = settings(self.plan.template, list(self.plan.budgets))
@@ -131,7 +144,7 @@ class Fitter:
         step = self.progress("1/4 detector", self.plan.solves["detector"])
         collect(self.models.base, configs, [(label, p.id, p.problem) for p in self.plan.dataset.problems], stats,
                 self.reserve, on_solved=lambda *solved: step(1), on_skip=step)
-        params = fit_detector(read_stats([stats]), self.plan.template.detector)
+        params = fit_detector(self.mine(read_stats([stats])), self.plan.template.detector)
         self.say(f"detector: entropy {params.tau_entropy} nats, zstd {params.tau_compression} "
                  f"({'fitted' if params != self.plan.template.detector else 'the starting thresholds kept: no signal separated'}"
                  f" on {stats})")
@@ -151,7 +164,9 @@ class Fitter:
         if self.plan.prm is not None:
             self.say(f"judge: the PRM given ({self.plan.prm}), no head trained")
             return None
-        rows, steps, _ = labelled_rows([rollouts], "train")
+        rows, _, _ = labelled_rows([rollouts], "train")
+        rows = self.mine(rows)
+        steps = [step for row in rows for step in labelled_steps(row)]
         reader = helper_judge(self.models.helper, self.plan.template, JUDGE_FORMAT, None,
                               self.plan.template.n_threads, rows)
         step = self.progress("3/4 judge's features", len(rows))
@@ -170,7 +185,7 @@ class Fitter:
         rollouts = self.sweep("rollouts", "2/4 rollouts", ["full", "bon", "helper"], self.plan.budgets, "judge",
                               template, self.models)
         head = self.judge(rollouts)
-        rows_of = {rollouts: read_rows(rollouts)}
+        rows_of = {rollouts: self.mine(read_rows(rollouts))}
         judge_rows = {rollouts: rows_of[rollouts]} if head else {}
         # the regime first: the calibration's rows run at the largest budget where the base is the weaker writer
         budget = max(r.judge_max_budget for r in fit_regime(rows_of[rollouts], str(rollouts)))
@@ -180,7 +195,7 @@ class Fitter:
             models = dataclasses.replace(self.models, prm=self.judge_of(head))
             calibration = self.sweep("calibration", "4/4 calibration", ["kvrescue"], (budget,), JUDGE_RULE, judged,
                                      models)
-            rows_of[calibration] = read_rows(calibration)
+            rows_of[calibration] = self.mine(read_rows(calibration))
         commit = fit_rules(rows_of, judge_rows, say=self.say)
         self.say(f"rule: {commit['rule']}")
         return self.write(detector, commit, head)
