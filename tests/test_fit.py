@@ -67,6 +67,15 @@ def test_fit_writes_a_preset_folder_that_solve_runs_with_the_rule_and_thresholds
         assert served.has_prm and served.config.rule.spec == printed_rule
     finally:
         served.engine.close()
+    moved = tmp_path / "moved"  # the folder names its models by path and fingerprint: another file is refused
+    moved.mkdir()
+    spec = json.loads((out / "preset.json").read_text())
+    spec["fitted"]["models"]["helper"]["path"] = str(TOY / "prm.gguf")
+    (moved / "preset.json").write_text(json.dumps(spec))
+    refused = CliRunner().invoke(main, ["solve", "--preset", str(moved), "-t", "1", problem])
+    assert refused.exit_code != 0 and refused.output.count("\n") == 1, refused.output
+    assert refused.output.startswith(f"Error: the preset {moved} was fitted on the helper helper.gguf")
+    assert "is another file now" in refused.output and "kvrescue-local fit" in refused.output
     shown = CliRunner().invoke(main, ["models", "list", "--preset", str(out)])
     assert shown.exit_code == 0 and "fitted on 6 train problems" in shown.output, shown.output
     assert record["models"]["base"]["sha256"] in shown.output

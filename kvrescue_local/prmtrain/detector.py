@@ -145,7 +145,7 @@ def fit_detector(rows: list[dict], start: DetectorParams = DetectorParams(), nor
             + ("" if keep else f": not used (separability < {MIN_SEPARABILITY} or > {MAX_FALSE_KILLS}% {normal} "
                                f"kills), {getattr(start, field)} kept"))
         if keep:
-            chosen[field] = threshold
+            chosen[field] = round(threshold, 6)  # a histogram's midpoint: its last digits are the float sum's
     normal_text = [r["text"].encode() for r in rows if r["setting"] == normal and len(r["text"].encode()) >= 256]
     ratios = [compression_ratio(t[i:i + 256]) for t in normal_text for i in range(0, len(t) - 255, 64)]
     for label, text in {"a_1 = 2, a_2 = 4, ...": enumeration(2, 2, 40),
