@@ -8,10 +8,13 @@
   rpc       a greedy solve with its layers on a loopback `rpc-server` against the local one (equal
             trajectories, speed ratio); needs a build with `python3 patches/build.py --rpc`;
   refusals  seconds to each refused request (a budget of 10**12, n over -n, a 10 MB body, a prompt of 1 MB
-            that is tokenized and found too long) while 8 streams run, and the slowest /health answer meanwhile.
+            that is tokenized and found too long) while 8 streams run, and the slowest /health answer meanwhile;
+  mixed     --streams requests at once with the same settings (temperature 0.7, budget 64), then with alternating
+            temperatures (0.7/0.75) and alternating budgets (64/96): each batch's wall and median first chunk
+            side by side, and the server's RSS after each (two same/temperature pairs, six budget alternations).
 
-Usage: python3 perf/serve_perf.py [--parts overhead,latency,soak,rpc,refusals] [--problems 16] [--concurrency 8]
-                                  [-n 2] [--streams 32] [--soak-seconds 600]
+Usage: python3 perf/serve_perf.py [--parts overhead,latency,soak,rpc,refusals,mixed] [--problems 16]
+                                  [--concurrency 8] [-n 2] [--streams 32] [--soak-seconds 600]
 """
 
 from __future__ import annotations
@@ -68,20 +71,23 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-def stream(url: str, problem: str, seed: int, out: dict) -> None:
+def stream(url: str, problem: str, seed: int, out: dict, settings: dict | None = None) -> None:
     sent = time.perf_counter()
     first = None
     with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=600,
-                      json={"messages": [{"role": "user", "content": problem}], "seed": seed, "stream": True}) as r:
+                      json={"messages": [{"role": "user", "content": problem}], "seed": seed, "stream": True,
+                            **(settings or {})}) as r:
         for line in r.iter_lines():
             if line.startswith("data:") and first is None:
                 first = time.perf_counter()
     out[seed] = (first - sent, time.perf_counter() - sent)
 
 
-def at_once(url: str, problems: list[str], seeds: list[int]) -> dict:
+def at_once(url: str, problems: list[str], seeds: list[int], settings: list[dict] | None = None) -> dict:
+    """(seconds to the first chunk, seconds to the end) of each request by seed; settings: each request's body fields."""
     out: dict = {}
-    threads = [threading.Thread(target=stream, args=(url, p, s, out)) for p, s in zip(problems, seeds)]
+    threads = [threading.Thread(target=stream, args=(url, p, s, out, body))
+               for p, s, body in zip(problems, seeds, settings or [None] * len(problems))]
     for t in threads:
         t.start()
     for t in threads:
@@ -201,9 +207,47 @@ def refusals(problems: list[str], n: int) -> None:
         server.close()
 
 
+def mixed(problems: list[str], streams: int, n: int) -> None:
+    server = Server(["-n", str(n), "--concurrency", str(streams)])
+    try:
+        batch, seeds = (problems * streams)[:streams], list(range(streams))
+        same = [{"temperature": 0.7, "budget": 64}] * streams
+
+        def alternating(field: str, values: tuple) -> list[dict]:
+            return [{**same[i], field: values[i % 2]} for i in range(streams)]
+
+        kinds = {"same settings": same, "temperature 0.7/0.75": alternating("temperature", (0.7, 0.75)),
+                 "budget 64/96": alternating("budget", (64, 96))}
+        at_once(server.url, batch, seeds, same)  # warm-up: every slot used once
+        rows = []
+        for kind in ["same settings", "temperature 0.7/0.75"] * 2 + ["budget 64/96"] * 6:
+            started = time.perf_counter()
+            out = at_once(server.url, batch, seeds, kinds[kind])
+            rows.append((kind, time.perf_counter() - started, statistics.median(v[0] for v in out.values()),
+                         server.rss_kib() / 1024))
+    finally:
+        server.close()
+    print(f"mixed: {streams} streams at once, N={n}, toy preset")
+    print(f"mixed:   {'settings':<22} {'wall s':>7} {'first chunk p50 s':>18} {'RSS after MiB':>14}")
+    for kind, wall, first, rss in rows:
+        print(f"mixed:   {kind:<22} {wall:7.2f} {first:18.3f} {rss:14.1f}")
+
+    def medians(kind: str) -> tuple[float, float]:
+        chosen = [r for r in rows if r[0] == kind]
+        return statistics.median(r[1] for r in chosen), statistics.median(r[2] for r in chosen)
+
+    (same_wall, same_first), (temp_wall, temp_first) = medians("same settings"), medians("temperature 0.7/0.75")
+    budget_wall, _ = medians("budget 64/96")
+    budget_rss = [r[3] for r in rows if r[0] == "budget 64/96"]
+    print(f"mixed: medians: alternating temperature wall {temp_wall / same_wall:.2f}x the same settings' (target <= 1.25), "
+          f"first chunk {temp_first / same_first:.2f}x (<= 1.5); alternating budget wall {budget_wall / same_wall:.2f}x "
+          f"(<= 1.5; the first, which makes the budget-96 engine, {rows[4][1] / same_wall:.2f}x); RSS after six budget "
+          f"alternations {budget_rss[-1] / budget_rss[0]:.3f}x the RSS after the first (<= 1.2)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="overhead,latency,soak,rpc,refusals")
+    parser.add_argument("--parts", default="overhead,latency,soak,rpc,refusals,mixed")
     parser.add_argument("--problems", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("-n", type=int, default=2)
@@ -220,6 +264,8 @@ def main() -> None:
         rpc(problems[0])
     if "refusals" in parts:
         refusals(problems, args.n)
+    if "mixed" in parts:
+        mixed(problems, args.streams, args.n)
 
 
 if __name__ == "__main__":

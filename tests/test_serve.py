@@ -1,6 +1,5 @@
 """The OpenAI-compatible server against the bundled toy preset, through the official openai client."""
 
-import dataclasses
 import json
 import socket
 import threading
@@ -17,8 +16,9 @@ openai = pytest.importorskip("openai")
 from kvrescue_local.cli import main  # noqa: E402
 from kvrescue_local.cli.serve import build_served, serve  # noqa: E402
 from kvrescue_local.errors import KVRescueError  # noqa: E402
-from kvrescue_local.rescue import Rescue, longest_prompt  # noqa: E402
+from kvrescue_local.rescue import Rescue, longest_prompt, loop  # noqa: E402
 from kvrescue_local.rescue.rules import Judge  # noqa: E402
+from kvrescue_local.runtime import Context  # noqa: E402
 from kvrescue_local.serve import engine as engine_module  # noqa: E402
 from kvrescue_local.serve.schemas import MAX_MESSAGES  # noqa: E402
 from kvrescue_local.toy.dataset import toy_dataset  # noqa: E402
@@ -48,9 +48,10 @@ def toy_solver():
     return build_served(serve.make_context("serve", list(TOY_ARGS)).params)
 
 
-def solved(served, problem: str, seed: int):
-    """What `solve` gives for the problem at this seed with the server's settings (one problem, one slot)."""
-    config = dataclasses.replace(served.config, seed=seed)
+def solved(served, problem: str, seed: int, **settings):
+    """What `solve` gives for the problem at this seed with the server's settings, `settings` (RescueConfig's
+    overrides) changed (one problem, one slot)."""
+    config = served.config.with_overrides({"seed": seed, **settings})
     models = served.engine.models
     engine = Rescue(config, models.base, models.helper, models.prm,
                     prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [problem]))
@@ -340,6 +341,90 @@ def test_one_bad_request_among_good_ones_fails_alone(toy_solver, monkeypatch):
             assert chunks[-1].choices[0].model_extra["kvrescue"]["answer"] == expected.answer, i
         assert sorted(got) == list(range(6))
         server.wait_idle()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(("settings", "overrides", "engines"), [
+    ([{"temperature": 0.7}, {"temperature": 0.75}], [{"temperature": 0.7}, {"temperature": 0.75}], 1),
+    ([{"budget": 64}, {"budget": 96}], [{"kv": {"budget": 64}}, {"kv": {"budget": 96}}], 2)])
+def test_requests_of_other_settings_share_the_rounds_and_each_equals_solve(toy_solver, settings, overrides, engines):
+    """Four requests queued at once, their settings alternating: requests of the two settings commit their steps in
+    the same rounds (each commits its first step before the other its last: neither drains first), and each equals
+    `solve` with its own settings. Sampling settings share one engine; a budget has an engine of its own beside the first."""
+    server = LoopbackServer(TOY_ARGS, start_engine=False)
+    engine = server.served.engine
+    steps = []  # (request, round) of every step, in the order the engine committed them
+    on_step = engine.on_step
+
+    def logged(job, step):
+        steps.append((job.problem, step.round))
+        on_step(job, step)
+
+    engine.on_step = logged
+    try:
+        problems = [p.problem for p in toy_dataset().problems[:4]]
+        got = {}
+
+        def ask(i: int) -> None:
+            got[i] = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                                json={"prompt": problems[i], "seed": 300 + i, **settings[i % 2]})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        while server.metric("kvrescue_requests_queued") < 4:
+            time.sleep(0.01)
+        engine.start()
+        for t in threads:
+            t.join()
+        for i, response in got.items():
+            expected = solved(toy_solver, problems[i], seed=300 + i, **overrides[i % 2])
+            assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected.text, i
+        order = [problem for problem, _ in steps]
+        first = {i: order.index(problems[i]) for i in range(4)}
+        last = {i: len(order) - 1 - order[::-1].index(problems[i]) for i in range(4)}
+        for a, b in ((0, 1), (2, 3)):  # in whichever order they were queued, each starts before the other ends
+            assert first[a] < last[b] and first[b] < last[a], (a, b)
+        assert server.metric("kvrescue_engines") == engines
+        server.wait_idle()
+    finally:
+        server.close()
+
+
+def test_switches_of_settings_reuse_their_engines_and_bound_the_contexts(monkeypatch):
+    """Six alternations of two budgets make each budget's contexts once, and five more budgets one after the other
+    hold no more contexts alive than two engines do: an idle engine is reused, or closed for another's room."""
+    made = []
+    make = Context.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(self)
+        make(self, *args, **kwargs)
+
+    monkeypatch.setattr(Context, "__init__", counted)
+    server = LoopbackServer(["--preset", "toy", "-t", "1", "-n", "2", "--concurrency", "2", "--prompt-tokens", "128"])
+    try:
+        problem = toy_dataset().problems[0].problem
+
+        def ask(budget: int) -> None:
+            response = httpx.post(f"{server.url}/v1/completions", json={"prompt": problem, "budget": budget}, timeout=120)
+            assert response.status_code == 200
+
+        def alive() -> int:
+            return sum(1 for c in made if c.handle)
+
+        made_before = len(made)
+        ask(64)
+        ask(96)
+        made_by_two, alive_with_two = len(made) - made_before, alive()
+        for _ in range(5):
+            ask(64)
+            ask(96)
+        assert len(made) - made_before == made_by_two
+        for budget in (48, 56, 72, 80, 88):
+            ask(budget)
+            assert alive() <= alive_with_two and server.metric("kvrescue_engines") <= 2
     finally:
         server.close()
 

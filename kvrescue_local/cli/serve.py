@@ -84,7 +84,7 @@ def build_served(options: dict):
 
     check_concurrency_fits([config], concurrency, memory, kv_need)  # the server's own settings fit
     names = {side: m.path.name for side, m in (("base", models.base), ("helper", models.helper)) if m is not None}
-    engine = Engine(models, concurrency, prompt_tokens, options["max_queue"], Metrics(names))
+    engine = Engine(models, concurrency, prompt_tokens, options["max_queue"], Metrics(names), memory)
     # the served id, and what a client may call it besides: the preset (else the base model's file)
     family = selection.preset.name if selection.preset else names.get("base", "kvrescue")
     return Served(engine, config, (f"{family}-{mode}", family), [m for m in (models.base, models.helper) if m is not None],

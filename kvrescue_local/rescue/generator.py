@@ -15,7 +15,7 @@ a problem's cache, attention scores and evictions do not depend on its batch mat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -67,13 +67,14 @@ def seed_for(*parts: int) -> int:
 
 @dataclass(frozen=True)
 class Request:
-    """One slot's round: the seeds of its candidates, for the detector the committed text's tail, and the run's
-    seed when the slot's problem has its own (None: the generator's sampling seed)."""
+    """One slot's round: the seeds of its candidates, for the detector the committed text's tail, and the slot's
+    problem's own sampling when it has one (temperature, top-p and the seed its candidates' seeds come from; None:
+    the generator's)."""
 
     slot: int
     seed: tuple[int, ...]
     tail: bytes = b""
-    run_seed: int | None = None
+    sampling: SamplingParams | None = None
 
 
 class Generator:
@@ -222,7 +223,7 @@ class Generator:
     # --- candidates --------------------------------------------------------
     def propose(self, requests: list[Request], detector: Detector | None = None) -> dict[int, list[Draft]]:
         """N candidate steps for each requested slot, the live ones of every slot decoded in the same llama_decode
-        calls; each candidate samples with its own seed."""
+        calls; each candidate samples with its own seed, at its problem's temperature and top-p."""
         drafts: dict[int, list[Draft]] = {}
         for request in requests:
             if request.slot not in self.rows:
@@ -231,11 +232,9 @@ class Generator:
             row = self.rows.pop(request.slot)
             first_entropy = token_entropy(self.ctx.logits(row)) if detector else None
             drafts[request.slot] = []
+            sampling = request.sampling or self.sampling
             for i, seq in enumerate(self.sequences(request.slot)[1:]):
-                params = SamplingParams(temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                        top_k=self.sampling.top_k, min_p=self.sampling.min_p,
-                                        seed=seed_for(self.sampling.seed if request.run_seed is None else request.run_seed,
-                                                     *request.seed, i))
+                params = replace(sampling, seed=seed_for(sampling.seed, *request.seed, i))
                 cand = Draft(self.side, i, seq, Sampler(params), monitor=detector.monitor(request.tail) if detector else None)
                 self.fork(self.committed(request.slot), seq)
                 self.accept(request.slot, cand, cand.sampler.sample(self.ctx, row), first_entropy)

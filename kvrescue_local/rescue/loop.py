@@ -85,6 +85,11 @@ def least_degenerate(killed: list[Draft]) -> Draft:
     return max(killed, key=lambda c: (c.monitor.min_compression, -c.monitor.max_mean_entropy))
 
 
+def sampling_of(config: RescueConfig) -> SamplingParams:
+    """The settings a candidate's sampler chain takes from a configuration (its seed the root of the candidates')."""
+    return SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+
+
 def own_failure(exc: Exception) -> str:
     """The error of a problem whose own work failed (any other exception than the project's named by its type)."""
     detail = str(exc) if isinstance(exc, KVRescueError) else f"{type(exc).__name__}: {exc}"
@@ -105,7 +110,11 @@ class Solving:
     drafts: list[Draft] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)  # llama_<side>, prm, total: its share of each round
     error: str | None = None
-    seed: int | None = None  # the seed its item asks for (None: the config's)
+    sampling: SamplingParams | None = None  # the temperature, top-p and seed its item asks for (None: the config's)
+
+    @property
+    def seed(self) -> int | None:
+        return self.sampling.seed if self.sampling else None
 
     def charge(self, costs: dict[str, float]) -> None:
         for k, v in costs.items():
@@ -168,8 +177,7 @@ class Rescue:
         self.prm = None if in_helper else judge  # the PRM with a context of its own
         if self.prm:
             self.prm.reserve(concurrency)
-        sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
-        common = dict(sampling=sampling, max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
+        common = dict(sampling=sampling_of(config), max_step_tokens=config.max_step_tokens, n_batch=config.n_batch,
                       flash_attn=config.flash_attn, n_threads=config.n_threads,
                       slots=concurrency, slot_cells=config.full_context(prompt_tokens_max))
         self.sides: dict[str, Generator] = {}
@@ -187,6 +195,16 @@ class Rescue:
         self.helper_detector = Detector(config.helper_detector) if config.mode.detects and config.helper_detector else None
         self.prompt_tokens_max = prompt_tokens_max
 
+    def close(self) -> None:
+        """Free the llama.cpp contexts this engine made, its lanes' and their PRM siblings' with them, at once rather
+        than when the garbage collector gets to them; the models and the PRM it was given stay. It runs no more."""
+        for lane in self.lanes:
+            lane.close()
+            if lane.prm:
+                lane.prm.ctx.free()
+        for gen in self.sides.values():
+            gen.ctx.free()
+
     def solve(self, problem: str, on_step: Callable[[Step], None] | None = None) -> Trajectory:
         """One problem (the engine with one slot busy); a problem that cannot finish raises its error."""
         ((_, trajectory, error),) = self.run([problem], on_step=(lambda _, step: on_step(step)) if on_step else None)
@@ -195,24 +213,36 @@ class Rescue:
         return trajectory
 
     def run(self, items: Iterable[Item], text: Callable[[Item], str] = str,
-            on_step: Callable[[Item, Step], None] | None = None, seed_of: Callable[[Item], int] | None = None,
+            on_step: Callable[[Item, Step], None] | None = None,
+            config_of: Callable[[Item], RescueConfig] | None = None,
             stop_of: Callable[[Item], str | None] | None = None) -> Iterator[tuple[Item, Trajectory, str | None]]:
         """Solve the problems `text(item)`, `concurrency` at a time, yielding (item, trajectory, error) as each
-        finishes (error: why it could not finish, its trajectory then holds what it did). `seed_of(item)` gives an
-        item its own seed (the same trajectory as a run with that seed); `stop_of(item)`, asked before each round,
-        ends an item early with the reason it returns (a served request whose client left). `items` is asked for
-        more whenever a slot is free: an iterator that is empty for now and has items later is served then."""
+        finishes (error: why it could not finish, its trajectory then holds what it did). `config_of(item)` gives an
+        item settings of its own, which differ from the run's in their sampling alone (temperature, top-p, seed: they
+        are per sequence in llama.cpp), and the trajectory a run of those settings gives; `stop_of(item)`, asked
+        before each round, ends an item early with the reason it returns (a served request whose client left).
+        `items` is asked for more whenever a slot is free: an iterator that is empty for now and has items later is
+        served then."""
         queue = iter(items)
-        lanes = self.lanes or [self]
-        flying: list[dict[int, Solving]] = [{} for _ in lanes]
+        flying = self.slots_in_flight()
         while True:
             idle = not any(flying)
-            for lane, solving in zip(lanes, flying):
-                yield from lane.turn(queue, solving, text, on_step, seed_of, stop_of)
-            if idle and not any(flying) and not any(lane.took for lane in lanes):
+            yield from self.turns(queue, flying, text, on_step, config_of, stop_of)
+            if idle and not any(flying) and not any(lane.took for lane in self.lanes or [self]):
                 return  # a pass that started with nothing in flight found nothing in the queue
 
-    def turn(self, queue: Iterator[Item], flying: dict[int, Solving], text, on_step, seed_of,
+    def slots_in_flight(self) -> list[dict[int, Solving]]:
+        """Empty bookkeeping for `turns`: each lane's problems in flight by slot."""
+        return [{} for _ in self.lanes or [self]]
+
+    def turns(self, queue: Iterator[Item], flying: list[dict[int, Solving]], text, on_step, config_of,
+              stop_of) -> Iterator[tuple[Item, Trajectory, str | None]]:
+        """One turn of each lane (see `run`); a caller that runs several engines, one turn of each after the other,
+        keeps each engine's `slots_in_flight` between its turns."""
+        for lane, solving in zip(self.lanes or [self], flying):
+            yield from lane.turn(queue, solving, text, on_step, config_of, stop_of)
+
+    def turn(self, queue: Iterator[Item], flying: dict[int, Solving], text, on_step, config_of,
              stop_of) -> Iterator[tuple[Item, Trajectory, str | None]]:
         """Fill this engine's free slots from the queue, end the problems that cannot go on, then run one round;
         yields the problems that end."""
@@ -222,9 +252,7 @@ class Rescue:
             if item is queue:
                 break
             self.took = True
-            flying[slot] = self.begin(item, text(item), slot)
-            if seed_of:
-                flying[slot].seed = flying[slot].trajectory.config["seed"] = seed_of(item)
+            flying[slot] = self.begin(item, text(item), slot, config_of(item) if config_of else None)
         for solving in flying.values():
             solving.error = (solving.error or (stop_of and stop_of(solving.item))
                              or next(filter(None, (g.overflow(solving.slot) for g in self.sides.values())), None))
@@ -236,12 +264,15 @@ class Rescue:
         for solving in self.round(list(flying.values()), on_step):
             yield self.end(flying.pop(solving.slot))
 
-    def begin(self, item, problem: str, slot: int) -> Solving:
-        solving = Solving(item, slot, Trajectory(problem, self.config.as_dict()), problem_key(problem),
+    def begin(self, item, problem: str, slot: int, own: RescueConfig | None = None) -> Solving:
+        """Start a problem in `slot`; `own`: its settings when it has its own sampling (run's config_of)."""
+        solving = Solving(item, slot, Trajectory(problem, (own or self.config).as_dict()), problem_key(problem),
                           time.perf_counter())
         prompt = self.config.prompt.format(problem=problem)
         llama_before = {name: g.llama_seconds for name, g in self.sides.items()}
         try:  # a failure here is the problem's own: its slot ends at once, the others are not touched
+            if own:
+                solving.sampling = sampling_of(own)
             for gen in self.sides.values():
                 tokens = gen.model.tokenize(prompt)
                 if len(tokens) > self.prompt_tokens_max:
@@ -268,7 +299,7 @@ class Rescue:
         for s in flying:
             s.drafts = []
         for side_index, (name, gen) in enumerate(self.sides.items()):
-            requests = [Request(s.slot, (s.key, s.round, side_index), s.tail, s.seed) for s in flying]
+            requests = [Request(s.slot, (s.key, s.round, side_index), s.tail, s.sampling) for s in flying]
             drafts = gen.propose(requests, self.detector if name == "base" else self.helper_detector)
             for s in flying:
                 s.drafts += drafts[s.slot]

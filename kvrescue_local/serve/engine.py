@@ -1,19 +1,24 @@
 """The bridge between HTTP requests and the multi-problem engine.
 
-One thread owns the models and runs Rescue.run over a feeder that hands it queued requests whenever a
-slot is free (continuous batching). Requests of one engine configuration (mode, N, budget, policy,
-rule, temperature, top-p) share a run; each carries its own seed, so its trajectory is the one `solve`
-gives with that seed. When the oldest waiting request needs another configuration, the run stops taking
-new requests, finishes those in flight and the next run builds that configuration's contexts. Events go
-back to each request's asyncio queue through its event loop; a request cancelled by its client (or done
-by a stop sequence or its max_tokens) leaves its slot before the next round. A failure inside a round (the
-shared decode) fails the requests in that round; one in a problem's own work fails that request alone
-(Rescue.run).
+One thread owns the models and runs engines (rescue.Rescue) over the queued requests, one round after another
+(continuous batching: a slot that frees takes the next queued request before the next round). A request's sampling
+(temperature, top-p, seed) is its own: llama.cpp's sampler chains are per sequence, so requests that differ only
+there share an engine and its rounds, each with the trajectory `solve` gives with its settings. Requests of other
+engine settings (mode, N, budget, policy, rule) get an engine of their own beside the first, and the engines in
+use take one turn each after the other, as lanes do: neither drains before the other starts. At most MAX_ENGINES
+engines stay alive, and only while their KV caches together fit --memory; an engine is kept when its requests are
+done, for the next requests of its settings, until a request of other settings needs its room: then its contexts
+are freed (the heap they held given back to the system) before the new engine's are made, and that request (with
+those queued behind it) waits until an engine has nothing in flight. Events go back to each request's asyncio queue
+through its event loop; a request cancelled by its client (or done by a stop sequence or its max_tokens) leaves its
+slot before the next round. A failure inside a round (the shared decode) fails the requests of that engine, whose
+contexts go; one in a problem's own work fails that request alone (Rescue.run).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import threading
 import time
@@ -21,10 +26,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import KVRescueError
+from ..prm import PRM
 from ..rescue import Models, Rescue, RescueConfig, Step, Trajectory
+from ..rescue.limits import models_kv_memory
 from .metrics import Metrics
 
 LENGTH_STOPS = ("max_tokens", "max_steps")  # the `kvrescue.stop`s whose finish_reason is "length"
+# engines of different settings alive at once: two serve a mix of two settings (budget 64 and 96 requests) with no
+# waits and no contexts made twice; each costs its contexts' memory (toy preset, 32 slots: about 240 MiB)
+MAX_ENGINES = 2
 
 
 class QueueFull(KVRescueError):
@@ -54,7 +64,9 @@ class Job:
 
     @property
     def engine_key(self) -> RescueConfig:
-        return dataclasses.replace(self.config, seed=0)
+        """The settings of the engine that runs it: its own but for the sampling, which each problem brings to the
+        engine (an engine's own is never used)."""
+        return dataclasses.replace(self.config, temperature=0.0, top_p=1.0, seed=0)
 
     def stop_reason(self) -> str | None:
         if self.cancelled:
@@ -67,34 +79,46 @@ def step_tokens(step: Step) -> int:
     return next(c.tokens for c in step.candidates if c.side == step.source and c.text == step.text)
 
 
-class Feeder:
-    """The queued requests of one configuration, for Rescue.run: empty for now is not exhausted (run asks again
-    when a slot is free), and it stops giving once the oldest waiting request needs another configuration."""
+def give_back_freed_heap() -> None:
+    """Return the heap that freed contexts leave to the system (glibc's malloc_trim; elsewhere nothing). glibc keeps
+    freed blocks for later allocations: contexts of 32 slots made and freed five times took a process from 361 to 522
+    MiB of RSS, and a trim after each freeing held it at 400-405."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim:
+        trim(0)
 
-    def __init__(self, engine: Engine, key: RescueConfig) -> None:
-        self.engine, self.key = engine, key
 
-    def __iter__(self):
-        return self
+@dataclass(eq=False)
+class Configuration:
+    """The engine of one configuration of settings (Job.engine_key), the requests it holds (in its slots, or handed
+    to it for the next free one) and its lanes' problems in flight between its turns."""
 
-    def __next__(self) -> Job:
-        engine = self.engine
-        with engine.cond:
-            while not engine.closing and engine.pending and engine.pending[0].engine_key == self.key:
-                job = engine.pending.popleft()
-                engine.metrics.queued = len(engine.pending)
-                if job.cancelled:
-                    engine.metrics.cancelled += 1
-                    continue
-                engine.running.add(job)
-                engine.metrics.in_flight = len(engine.running)
-                return job
-        raise StopIteration
+    key: RescueConfig
+    rescue: Rescue
+    kv_bytes: int  # its KV caches' bytes, allocated up front
+    prm: PRM | None  # a PRM sibling made for it, freed with it; None: the models' own PRM (or none)
+    jobs: set[Job] = field(default_factory=set)
+    inbox: deque[Job] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.flying = self.rescue.slots_in_flight()
+
+    def handed(self):
+        """The requests handed to it, one to each free slot of its lanes that asks (a new iterator every turn)."""
+        while self.inbox:
+            yield self.inbox.popleft()
+
+    def close(self) -> None:
+        self.rescue.close()
+        if self.prm:
+            self.prm.ctx.free()
 
 
 class Engine:
     def __init__(self, models: Models, concurrency: int, prompt_tokens_max: int, max_queue: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, memory: int | None = None) -> None:
+        """memory: the bytes the engines' KV caches may take together (--memory; None: MAX_ENGINES alone bounds
+        them)."""
         self.models = models
         self.concurrency = concurrency
         self.prompt_tokens_max = prompt_tokens_max
@@ -104,6 +128,9 @@ class Engine:
         self.pending: deque[Job] = deque()
         self.running: set[Job] = set()
         self.closing = False
+        self.memory = memory
+        # the engine thread's alone: least recently used first
+        self.configurations: dict[RescueConfig, Configuration] = {}
         self.thread = threading.Thread(target=self.serve, name="kvrescue-engine", daemon=True)
 
     def start(self) -> None:
@@ -130,34 +157,104 @@ class Engine:
 
     # --- the engine thread -------------------------------------------------
     def serve(self) -> None:
-        rescue: Rescue | None = None
+        try:
+            while self.wait_for_work():
+                self.admit()
+                for configuration in [c for c in self.configurations.values() if c.jobs]:
+                    self.turn(configuration)
+        finally:
+            for configuration in list(self.configurations.values()):
+                self.close_configuration(configuration)
+
+    def wait_for_work(self) -> bool:
+        """Until a request is queued or in flight; False once the engine closes and its cancelled requests have left."""
+        with self.cond:
+            while not self.pending and not self.running and not self.closing:
+                self.cond.wait()
+            return not (self.closing and not self.running)
+
+    def admit(self) -> None:
+        """Hand queued requests, oldest first, to the engine of their settings while the server has a slot free. One
+        whose settings need an engine there is no room for yet waits, and those queued behind it with it."""
         while True:
             with self.cond:
-                while not self.pending and not self.closing:
-                    self.cond.wait()
-                if self.closing:
+                if self.closing or not self.pending or len(self.running) >= self.concurrency:
                     return
-                key = self.pending[0].engine_key
-            if rescue is None or rescue.config != key:
-                rescue = None  # its contexts go before the next configuration's are made
+                job = self.pending[0]
+                if job.cancelled:
+                    self.pending.popleft()
+                    self.metrics.queued = len(self.pending)
+                    self.metrics.cancelled += 1
+                    continue
+            key = job.engine_key
+            configuration = self.configurations.pop(key, None)
+            if configuration is None:
+                if not self.make_room(key):
+                    return
                 try:
-                    rescue = Rescue(key, self.models.base, self.models.helper, self.models.prm,
-                                    prompt_tokens_max=self.prompt_tokens_max, concurrency=self.concurrency)
+                    configuration = self.open(key)
                 except KVRescueError as exc:
                     self.refuse(key, f"the engine cannot run these settings: {exc}")
                     continue
-            try:
-                for job, trajectory, error in rescue.run(Feeder(self, key), text=lambda j: j.problem,
-                                                         on_step=self.on_step, seed_of=lambda j: j.config.seed,
-                                                         stop_of=Job.stop_reason):
-                    self.finished(job, trajectory, error)
-            except Exception as exc:  # noqa: BLE001 - the engine failed mid-round: its requests get a 500
-                with self.cond:
-                    failed, self.running = list(self.running), set()
-                    self.metrics.in_flight = 0
-                for job in failed:
-                    job.send("error", (500, f"the engine failed: {exc}"))
-                rescue = None  # its slots hold half a round: the next requests start on fresh contexts
+            self.configurations[key] = configuration  # the most recently used last
+            with self.cond:
+                self.pending.popleft()
+                self.running.add(job)
+                self.metrics.queued, self.metrics.in_flight = len(self.pending), len(self.running)
+            configuration.jobs.add(job)
+            configuration.inbox.append(job)
+
+    def kv_bytes(self, key: RescueConfig) -> int:
+        models = self.models
+        return models_kv_memory(key, self.concurrency, models.base, models.helper, models.prm, self.prompt_tokens_max)
+
+    def make_room(self, key: RescueConfig) -> bool:
+        """Close idle engines, least recently used first, until one of settings `key` fits beside the others
+        (MAX_ENGINES, and their KV caches together within --memory); False while the engines in use leave no room."""
+        need = self.kv_bytes(key)
+        while self.configurations and (
+                len(self.configurations) >= MAX_ENGINES or self.memory is not None
+                and need + sum(c.kv_bytes for c in self.configurations.values()) > self.memory):
+            idle = next((c for c in self.configurations.values() if not c.jobs), None)
+            if idle is None:
+                return False
+            self.close_configuration(idle)
+        return True
+
+    def open(self, key: RescueConfig) -> Configuration:
+        """The engine of settings `key`, its contexts made; a PRM of its own (a sibling on the same backbone) when
+        another engine holds the models' own, as two engines cannot share a PRM's slots."""
+        models = self.models
+        shared = isinstance(models.prm, PRM) and any(c.prm is None for c in self.configurations.values())
+        prm = models.prm.sibling() if shared else None
+        rescue = Rescue(key, models.base, models.helper, prm or models.prm, prompt_tokens_max=self.prompt_tokens_max,
+                        concurrency=self.concurrency)
+        self.metrics.engines = len(self.configurations) + 1
+        return Configuration(key, rescue, self.kv_bytes(key), prm)
+
+    def close_configuration(self, configuration: Configuration) -> None:
+        del self.configurations[configuration.key]
+        configuration.close()
+        give_back_freed_heap()
+        self.metrics.engines = len(self.configurations)
+
+    def turn(self, configuration: Configuration) -> None:
+        """One turn of each of the engine's lanes. A failure in it (a shared decode) fails the engine's requests and
+        closes it: its slots hold half a round, so the next requests of its settings start on fresh contexts."""
+        try:
+            for job, trajectory, error in configuration.rescue.turns(
+                    configuration.handed(), configuration.flying, lambda j: j.problem, self.on_step,
+                    lambda j: j.config, Job.stop_reason):
+                configuration.jobs.discard(job)
+                self.finished(job, trajectory, error)
+        except Exception as exc:  # noqa: BLE001 - the engine failed mid-round: its requests get a 500
+            failed = configuration.jobs
+            with self.cond:
+                self.running -= failed
+                self.metrics.in_flight = len(self.running)
+            for job in failed:
+                job.send("error", (500, f"the engine failed: {exc}"))
+            self.close_configuration(configuration)
 
     def refuse(self, key: RescueConfig, message: str) -> None:
         """Every queued request of configuration `key` gets a 500 with `message`; the others wait on."""

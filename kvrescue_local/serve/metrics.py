@@ -26,6 +26,7 @@ class Metrics:
         self.early_exits = 0  # base candidates the detector killed
         self.steps = 0
         self.cancelled = 0  # requests whose client left before they finished
+        self.engines = 0  # engines alive (serve/engine.py), each with the contexts of one configuration of settings
 
     def respond(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -51,6 +52,9 @@ class Metrics:
                 "# HELP kvrescue_requests_queued Requests waiting for an engine slot.",
                 "# TYPE kvrescue_requests_queued gauge",
                 f"kvrescue_requests_queued {self.queued}",
+                "# HELP kvrescue_engines Engines alive, each holding the contexts of one configuration of settings.",
+                "# TYPE kvrescue_engines gauge",
+                f"kvrescue_engines {self.engines}",
                 "# HELP kvrescue_responses_total Responses by endpoint and HTTP status.",
                 "# TYPE kvrescue_responses_total counter",
                 *(f'kvrescue_responses_total{{endpoint="{e}",status="{s}"}} {n}'
