@@ -7,10 +7,9 @@ import threading
 import time
 
 import httpx
-import uvicorn
 
 from kvrescue_local.cli.serve import build_served, listening_socket, serve
-from kvrescue_local.serve.app import create_app
+from kvrescue_local.serve.app import Server, create_app
 
 
 class LoopbackServer:
@@ -20,7 +19,7 @@ class LoopbackServer:
         self.served = build_served(serve.make_context("serve", list(args)).params)
         self.sock = listening_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.served), log_level="warning"))
+        self.server = Server(self.served, create_app(self.served))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         if start_engine:
             self.served.engine.start()

@@ -1,11 +1,12 @@
-"""Option sets drawn by hypothesis for `solve`, `bench run`, `bench merge` and `report` on the toy preset (one
-thread): every run ends with rc 0, or with rc != 0 and one `Error:` line; no traceback, no abort, no hang; and
-no file is created or changed but the outputs the command names. Files by identity, in a section of their own:
+"""Option sets drawn by hypothesis for `solve`, `bench run`, `bench merge`, `report`, `estimate` and `serve` on the
+toy preset (one thread): every run ends with rc 0, or with rc != 0 and one `Error:` line; no traceback, no abort,
+no hang; and no file is created or changed but the outputs the command names. A server that starts is sent SIGTERM
+once it says "serving ... on http://...", and must then end by it. Files by identity, in a section of their own:
 two writers of one results file at once under different names, an output that names an input, special files.
 
 Each command runs in a child forked from one server process that imported the command line once (this file
 run as a script): a child that aborts in llama.cpp is an exit status to report, not the end of the test run,
-and no child pays for Python's start-up. Bounded (75 drawn examples, each class of bad value once, and 32
+and no child pays for Python's start-up. Bounded (90 drawn examples, each class of bad value once, and 32
 of files) so that CI runs it, and derandomized (the examples follow from the test's source) so that a failure
 in CI reproduces."""
 
@@ -27,7 +28,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 CHILD_TIMEOUT = 20  # seconds; a toy run takes about one: longer is a hang
-EXAMPLES = 15  # per command: 75 in all
+EXAMPLES = 15  # per command: 90 in all
 # null, NaN and infinity, huge sizes, surrogates: each refused where it enters
 SURROGATE = "a=1 \udc80"  # what a non-UTF-8 byte of an argument becomes (surrogateescape)
 HUGE = ["100000000", "2147483648", "99999999999999999999"]
@@ -63,7 +64,7 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             run_child(request["args"], request["cwd"], log)
-        status = wait_for(pid)
+        status = wait_for(pid, log, request.get("stop_when"))
         output = log.read_text(errors="replace")
         log.unlink()
         print(json.dumps({"status": status, "output": output}), flush=True)
@@ -93,14 +94,23 @@ def run_child(args: list[str], cwd: str, log: Path) -> None:
         os._exit(code)
 
 
-def wait_for(pid: int) -> str:
-    """"rc N", "signal N" or "timeout" (the child killed)."""
+def wait_for(pid: int, log: Path, stop_when: str | None = None) -> str:
+    """"rc N", "signal N" or "timeout" (the child killed); with stop_when (how a line of a server's output starts
+    once it serves: "serving "), the child is sent SIGTERM once its output shows it, and "served" is a child that
+    then ended by that signal."""
     deadline = CHILD_TIMEOUT * 10
+    stopped = False
     for _ in range(deadline):
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
+            if stopped and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM:
+                return "served"
             return f"rc {os.waitstatus_to_exitcode(status)}" if os.WIFEXITED(status) else \
                 f"signal {os.WTERMSIG(status)}"
+        if stop_when and not stopped and log.exists() and any(
+                line.startswith(stop_when) for line in log.read_text(errors="replace").splitlines()):
+            os.kill(pid, signal.SIGTERM)
+            stopped = True
         select.select([], [], [], 0.1)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
@@ -116,7 +126,8 @@ class Server:
                                         stdout=subprocess.PIPE, text=True, env=env)
 
     def run(self, args: list[str], cwd: Path) -> dict:
-        self.process.stdin.write(json.dumps({"args": args, "cwd": str(cwd)}) + "\n")
+        request = {"args": args, "cwd": str(cwd), **({"stop_when": "serving "} if args[:1] == ["serve"] else {})}
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         return json.loads(self.process.stdout.readline())
 
@@ -230,10 +241,10 @@ def check(server, inputs: Path, tmp_path_factory, args: list[str], outputs: list
     shown = f"kvrescue-local {' '.join(map(repr, args))}\n{status}\n{output[-3000:]}"
     assert not status.startswith(("signal", "timeout")), shown
     assert "Traceback" not in output and "GGML_ASSERT" not in output, shown
-    if status != "rc 0":
+    if status not in ("rc 0", "served"):
         assert len([line for line in output.splitlines() if line.startswith("Error:")]) == 1, shown
     if REFUSED.intersection(args):  # never solved or read as something it is not ("None", NaN)
-        assert status != "rc 0", shown
+        assert status not in ("rc 0", "served"), shown
     after = snapshot(work)
     named = set()
     for name in outputs:
@@ -331,6 +342,28 @@ def estimate_args(draw):
     return ["estimate", *options(draw, table)]
 
 
+def free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+# serve's start-up sizes: each checked before the models load (a refusal is one Error: line), or the server
+# starts, and stops on SIGTERM
+SERVE_SIZES = ["-1", "0", "1", "2", "8", "32", "992", "993", "1024", "2000", "5000", *HUGE]
+
+
+@st.composite
+def serve_args(draw):
+    table = {name: st.sampled_from(SERVE_SIZES) for name in ("--prompt-tokens", "--max-tokens", "--max-step-tokens",
+                                                              "--concurrency", "--max-queue", "--max-budget",
+                                                              "--budget", "-n", "--prm-ctx")}
+    table.update({"--memory": st.sampled_from(["1G", "0", "x", "1", "300K", *HUGE_SIZES]),
+                  "--max-request-bytes": st.sampled_from(["1M", "0", "x", "1", *HUGE_SIZES]),
+                  "--api-key": st.sampled_from(["", " ", "key"])})
+    return ["serve", "--preset", "toy", "-t", "1", "--port", free_port(), *options(draw, table)]
+
+
 def named_outputs(args: list[str]) -> list[str]:
     """The outputs args name: the values of --json, --results, --out, and --html's default page."""
     out = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--json", "--results", "--out")]
@@ -339,8 +372,9 @@ def named_outputs(args: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("strategy", [solve_args(), bench_run_args(), merge_args(), report_args(), estimate_args()],
-                         ids=["solve", "bench-run", "bench-merge", "report", "estimate"])
+@pytest.mark.parametrize("strategy", [solve_args(), bench_run_args(), merge_args(), report_args(), estimate_args(),
+                                      serve_args()],
+                         ids=["solve", "bench-run", "bench-merge", "report", "estimate", "serve"])
 def test_drawn_options_end_in_a_result_or_one_error_line(server, inputs, tmp_path_factory, strategy):
     @RUN
     @given(strategy)
@@ -459,6 +493,20 @@ def test_a_special_file_as_any_input_is_one_error_line(server, inputs, tmp_path_
     done = check(server, inputs, tmp_path_factory, args, named_outputs(args), prepare=special_inputs)
     refused = "not a regular file" in done["output"] or "is a directory" in done["output"]
     assert done["status"] != "rc 0" and refused, f"{args}\n{done['output'][-2000:]}"
+
+
+# serve's start-up sizes past what the toy's models hold (trained on 1,024 positions), and a blank key
+SERVE_REFUSED = [("--prompt-tokens", HUGE[0]), ("--prompt-tokens", "5000"), ("--max-tokens", HUGE[0]),
+                 ("--max-tokens", "2000"), ("--max-step-tokens", HUGE[0]), ("--api-key", "")]
+
+
+@pytest.mark.parametrize(("option", "value"), SERVE_REFUSED, ids=[f"{o}={v}" for o, v in SERVE_REFUSED])
+def test_serve_refuses_each_start_up_size_naming_its_option(server, inputs, tmp_path_factory, option, value):
+    args = ["serve", "--preset", "toy", "-t", "1", "--port", free_port(), option, value]
+    done = check(server, inputs, tmp_path_factory, args, [])
+    assert done["status"] not in ("rc 0", "served"), done["output"]
+    assert option in next(line for line in done["output"].splitlines() if line.startswith("Error:")), done["output"]
+    assert "alloc" not in done["output"], done["output"]  # refused before llama.cpp allocates (it would say so)
 
 
 # === files by identity: concurrent writers, an output naming an input, special files ===================

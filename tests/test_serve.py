@@ -1,7 +1,11 @@
 """The OpenAI-compatible server against the bundled toy preset, through the official openai client."""
 
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -117,7 +121,64 @@ def test_stop_and_max_tokens_end_a_request_early(toy_server, toy_solver):
                                                 messages=[{"role": "user", "content": problem}]))
     assert streamed[-1].choices[0].finish_reason == "length"
     assert streamed[-1].choices[0].model_extra["kvrescue"]["stop"] == "max_tokens"
+    # an empty stop sequence is dropped, given alone as in a list: it would end every answer before its first word
+    for empty in ("", [""]):
+        ignored = api.completions.create(model="toy", prompt=problem, seed=2, stop=empty)
+        assert ignored.choices[0].text == expected.text and ignored.choices[0].model_extra["kvrescue"]["stop"] != \
+            "stop_sequence", repr(empty)
     toy_server.wait_idle()
+
+
+def test_stop_sequences_over_the_limit_health_probes_and_a_prompt_past_the_trained_context(toy_server):
+    five = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": "a=1", "stop": list("abcde")})
+    assert five.status_code == 400 and five.json()["error"]["param"] == "stop"
+    assert five.json()["error"]["message"] == ("stop: 5 stop sequences, over the 4 a request may give (OpenAI's "
+                                               "limit): give at most 4")
+    for path in ("/health", "/v1/health"):
+        assert httpx.get(f"{toy_server.url}{path}").json() == {"status": "ok"}, path
+        assert httpx.head(f"{toy_server.url}{path}").status_code == 200, path
+    # the server reserves 128 prompt cells; a prompt longer than the toy's 1,024 trained positions is refused as
+    # solve refuses it, naming the model's limit rather than a restart that could not help
+    past = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": "a=1 " * 800}, timeout=120)
+    assert past.status_code == 400 and past.json()["error"]["code"] == "context_length_exceeded"
+    assert past.json()["error"]["param"] == "prompt"
+    assert "was trained on 1,024" in past.json()["error"]["message"] and "--prompt-tokens" not in past.json()["error"]["message"]
+
+
+START_ARGS = ["--preset", "toy", "-t", "1", "-n", "2"]
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--prompt-tokens", "5000"], "--prompt-tokens reserves 5,000 tokens with the prompt template, but base.gguf was "
+                                  "trained on 1,024 and one step of --max-step-tokens 32 must fit after it: lower "
+                                  "--prompt-tokens to at most 992"),
+    (["--prompt-tokens", "100000000"], "--prompt-tokens reserves 100,000,000 tokens"),
+    (["--max-tokens", "100000000"], "--max-tokens 100000000 exceeds the 1,024 positions base.gguf was trained on"),
+    (["--max-tokens", "2000"], "--max-tokens 2000 exceeds the 1,024 positions base.gguf was trained on"),
+    (["--max-step-tokens", "1024"], "lower --max-step-tokens to below 1,024"),
+    (["--api-key", ""], "--api-key (or KVRESCUE_API_KEY) is blank"),
+    (["--api-key", " \t"], "--api-key (or KVRESCUE_API_KEY) is blank")])
+def test_start_sizes_and_a_blank_key_are_refused_before_any_model_opens(monkeypatch, args, said):
+    """As `solve` checks its sizes, from the GGUF headers, before llama.cpp allocates anything."""
+    def no_models(*args, **kwargs):
+        raise AssertionError("the models opened before the start-up sizes were checked")
+
+    monkeypatch.setattr(sys.modules[build_served.__module__], "open_models", no_models)  # cli.serve is the command
+    with pytest.raises(KVRescueError) as refused:
+        build_served(serve.make_context("serve", [*START_ARGS, *args]).params)
+    assert said in str(refused.value)
+
+
+def test_start_refusals_are_one_error_line():
+    with socket.socket() as probe:  # a free port: the refusal comes after the socket is bound
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    runner = CliRunner()
+    for args, env in (([*START_ARGS, "--prompt-tokens", "5000"], {}), (START_ARGS, {"KVRESCUE_API_KEY": "  "})):
+        refused = runner.invoke(main, ["serve", "--port", port, *args], env=env)
+        errors = [line for line in refused.output.splitlines() if line.startswith("Error:")]
+        assert refused.exit_code == 1 and len(errors) == 1 and "Traceback" not in refused.output, refused.output
+        assert " on http://" not in refused.output  # the line "serving ID on http://..."
 
 
 def test_32_concurrent_streams_each_equal_solve_with_its_seed(toy_server, toy_solver):
@@ -466,7 +527,7 @@ def test_a_bad_port_or_one_in_use_is_one_error_line():
         holder.listen()
         port = holder.getsockname()[1]
         busy = runner.invoke(main, ["serve", "--port", str(port), "-t", "1"])
-    assert busy.exit_code == 1 and "serving on" not in busy.output and "Traceback" not in busy.output
+    assert busy.exit_code == 1 and " on http://" not in busy.output and "Traceback" not in busy.output
     errors = [line for line in busy.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
 
@@ -482,7 +543,17 @@ def test_an_api_key_and_cors_origins(monkeypatch):
         assert refused.value.code == "invalid_api_key" and refused.value.type == "invalid_request_error"
         assert [m.id for m in openai.OpenAI(base_url=url, api_key="sekrit").models.list().data] == ["toy-kvrescue"]
         assert httpx.post(f"{url}/completions", json={"prompt": "a=1"}).status_code == 401
-        assert httpx.get(f"{server.url}/health").status_code == 200  # a liveness probe needs no key
+        # the key is asked for before the body is read: a bad body without it is a 401, not a 400
+        wrong_key = {"Authorization": "Bearer wrong"}
+        for body in (dict(content=b"{not json", headers={"content-type": "application/json", **wrong_key}),
+                     dict(json={"prompt": "a" * 2_000_000}, headers=wrong_key),
+                     dict(json={"prompt": "a=1", "seed": -1}, headers=wrong_key)):
+            wrong = httpx.post(f"{url}/completions", **body)
+            assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        for path in ("/health", "/v1/health"):  # a liveness probe needs no key
+            assert httpx.get(f"{server.url}{path}").status_code == httpx.head(f"{server.url}{path}").status_code == 200
+        assert 'endpoint="/v1/completions",status="401"' in httpx.get(
+            f"{url.removesuffix('/v1')}/metrics", headers={"Authorization": "Bearer sekrit"}).text
         asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
         preflight = httpx.options(f"{url}/chat/completions", headers={"Origin": "http://app.example", **asks})
         assert preflight.status_code == 200
@@ -531,12 +602,17 @@ def committed_tokens(engine) -> int:
         return sum(job.tokens for job in engine.running)
 
 
+def endless_args(model) -> list[str]:
+    """A model that repeats one token never ends a trajectory by itself: only its client leaving ends a request
+    (or the server stopping)."""
+    return ["--base", str(model.path), "--helper", str(model.path), "--mode", "helper", "-n", "1", "-t", "1",
+            "--prompt-template", "{problem}", "--max-tokens", "4096", "--max-steps", "100000", "--max-step-tokens", "4",
+            "--concurrency", "2"]
+
+
 @pytest.fixture
 def endless_server(looping_model):
-    """A model that repeats one token never ends a trajectory by itself: only its client leaving ends a request."""
-    server = LoopbackServer(["--base", str(looping_model.path), "--helper", str(looping_model.path), "--mode",
-                             "helper", "-n", "1", "-t", "1", "--prompt-template", "{problem}", "--max-tokens",
-                             "100000", "--max-steps", "100000", "--max-step-tokens", "4", "--concurrency", "2"])
+    server = LoopbackServer(endless_args(looping_model))
     yield server
     server.close()
 
@@ -566,6 +642,57 @@ def test_a_client_killed_mid_request_frees_its_slot_without_streaming(endless_se
     server.wait_idle()
     assert server.metric("kvrescue_requests_cancelled_total") == 1
     assert 'kvrescue_responses_total{endpoint="/v1/completions",status="200"}' not in httpx.get(f"{server.url}/metrics").text
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_server_ends_each_request_and_exits(looping_model, stop_signal):
+    """SIGTERM or SIGINT with a stream and a whole response in flight: the stream gets an error event and [DONE],
+    the whole response a 503, and the process exits (a generous bound, a guard against a hang, not a speed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "kvrescue_local", "serve", "--port", str(port),
+                                *endless_args(looping_model)], stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert "serving" in next(line for line in process.stderr if "serving" in line or "Error" in line)
+        for _ in range(600):  # the socket is bound before "serving ... on http://...", and listens once uvicorn has started
+            try:
+                httpx.get(f"{url}/health")
+                break
+            except httpx.ConnectError:
+                time.sleep(0.05)
+        streamed, whole = [], {}
+        started = threading.Event()
+
+        def read_stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "abc", "stream": True},
+                              timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        streamed.append(line.removeprefix("data:").strip())
+                        started.set()
+
+        readers = [threading.Thread(target=read_stream),
+                   threading.Thread(target=lambda: whole.update(r=httpx.post(f"{url}/v1/completions",
+                                                                             json={"prompt": "abc"}, timeout=60)))]
+        for reader in readers:
+            reader.start()
+        assert started.wait(60)
+        while not re.search(r"^kvrescue_requests_in_flight 2", httpx.get(f"{url}/metrics").text, re.M):
+            time.sleep(0.01)
+        process.send_signal(stop_signal)
+        process.wait(timeout=5)
+        for reader in readers:
+            reader.join(5)
+        assert streamed[-1] == "[DONE]" and "shutting down" in json.loads(streamed[-2])["error"]["message"]
+        assert json.loads(streamed[0])["choices"][0]["text"]
+        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["type"] == "server_error"
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        process.kill()
+        process.wait()
 
 
 @pytest.mark.realmodel

@@ -2,36 +2,38 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import click
 
-from ..compose import open_models, select_models
+from .. import interrupts
+from ..compose import model_facts, open_models, select_models
 from ..errors import KVRescueError
 from ..eviction import POLICY_HELP
 from ..prm import PRMParams
-from ..rescue import Mode
-from ..rescue.limits import available_memory, check_concurrency_fits, check_kv_sizes, models_kv_memory
+from ..rescue import Mode, RescueConfig
+from ..rescue.limits import (RunModels, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
+                             check_prompt_room, models_kv_memory, prompt_room)
 from ..settings import MODE, POLICY, POSITIVE, RULE
 from .common import DEFAULTS, RULE_HELP, note, parse_size, preset_default, search_options
-from .options import NON_NEGATIVE, PORT, check_cache_fit, comma_items
+from .options import NON_NEGATIVE, PORT, check_cache_fit, check_prm_ctx, comma_items
 
 DEFAULT_PROMPT_TOKENS = 1024
 API_KEY_VARIABLE = "KVRESCUE_API_KEY"
+ENGINE_STOP_SECONDS = 1.5  # how long a stopping server waits for the engine's round to end
 
 
 def serve_stack():
     """The serve extra's modules, or one line saying how to install them."""
     try:
-        import uvicorn
-
-        from ..serve.app import Limits, Served, create_app
+        from ..serve.app import Limits, Served, Server, create_app
         from ..serve.engine import Engine
         from ..serve.metrics import Metrics
     except ImportError as exc:
         raise KVRescueError(f"`serve` needs the serve extra ({exc.name} is missing): pip install "
                             "'kvrescue-local[serve]'") from None
-    return uvicorn, Limits, Served, create_app, Engine, Metrics
+    return Server, Limits, Served, create_app, Engine, Metrics
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -54,17 +56,44 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def start_sizes(options: dict, config: RescueConfig, facts: RunModels, memory: int) -> int:
+    """The server's sizes, checked as `solve` checks its own before any model loads (from the GGUF headers, so
+    before llama.cpp allocates anything), each refusal naming the option given: --max-tokens, --max-step-tokens,
+    --budget and the KV caches of one problem (check_context_sizes), and the prompt cells, which with one step
+    must fit in each model's trained context (check_prompt_room). Returns the prompt cells to reserve: those
+    given, else DEFAULT_PROMPT_TOKENS, lowered to what the models hold (with a note)."""
+    check_prm_ctx(config, options["prm_ctx"])
+    memory_option = "--memory" if options["memory"] else "half of the available memory (--memory)"
+    opened = [m for m in (facts.base, facts.helper) if m is not None]
+    given = options["prompt_tokens"]
+    prompt_tokens = given or max(1, min([DEFAULT_PROMPT_TOKENS, *(prompt_room(config, m) for m in opened)]))
+    for model in opened:  # first: the PRM's context below is sized from the prompt cells
+        check_prompt_room(config, model, prompt_tokens, "--prompt-tokens reserves" if given else "a prompt takes at least",
+                          lambda room: f"lower --prompt-tokens to at most {room:,}" if room > 0 else
+                          f"lower --max-step-tokens to below {model.n_ctx_train:,}")
+    check_context_sizes(config, facts, memory, memory_option, prm_ctx=options["prm_ctx"], problem_bytes=prompt_tokens)
+    if given is None and prompt_tokens < DEFAULT_PROMPT_TOKENS:
+        note(f"--prompt-tokens {prompt_tokens}: the most the models' trained contexts hold beside one step")
+    return prompt_tokens
+
+
 def build_served(options: dict):
     """The engine (not started yet) and the app's settings from the command's parameters; models open here."""
     _, Limits, Served, _, Engine, Metrics = serve_stack()
-    concurrency, prompt_tokens = options["concurrency"], options["prompt_tokens"]
+    if options["api_key"] is not None and not options["api_key"].strip():  # it would let every request in
+        raise KVRescueError(f"--api-key (or {API_KEY_VARIABLE}) is blank, which would leave the server open to any "
+                            "request: give a key, or leave the option out for a server without one")
+    concurrency = options["concurrency"]
     request_bytes = parse_size(options["max_request_bytes"], "--max-request-bytes")
+    memory = parse_size(options["memory"], "--memory") if options["memory"] else available_memory() // 2
     mode = Mode.parse(options["mode"] or DEFAULTS.mode)
     selection = select_models(options, mode.uses_base, mode.uses_helper, needs_prm=False, note=note)
     config = selection.config(options)
     # the models the server's mode uses open (a request may ask for any mode that needs no others); the PRM, when
     # that mode has it choose, scores up to 2N (or its default) at once
     max_candidates = max(PRMParams().max_candidates, 2 * config.n) if selection.paths["prm"] and config.needs_prm else None
+    prompt_tokens = start_sizes(options, config, model_facts(selection, mode.uses_base, mode.uses_helper,
+                                                             max_candidates or 1), memory)
     config, models = open_models(selection, config, mode.uses_base, mode.uses_helper, max_candidates or 1,
                                  ["x" * prompt_tokens],
                                  prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"])
@@ -77,7 +106,6 @@ def build_served(options: dict):
         raise KVRescueError(f"--budget {config.kv.budget} is over --max-budget {max_budget}, the most a request may "
                             "ask: lower --budget or raise --max-budget")
     check_kv_sizes([config.with_overrides({"kv": {"budget": max_budget}})], models.base, 0, "--max-budget")
-    memory = parse_size(options["memory"], "--memory") if options["memory"] else available_memory() // 2
 
     def kv_need(request_config, slots: int) -> int:
         return models_kv_memory(request_config, slots, models.base, models.helper, models.prm, prompt_tokens)
@@ -90,7 +118,7 @@ def build_served(options: dict):
     return Served(engine, config, (f"{family}-{mode}", family), [m for m in (models.base, models.helper) if m is not None],
                   has_prm=models.prm is not None, limits=Limits(max_budget, memory, request_bytes),
                   kv_bytes=lambda request_config: kv_need(request_config, concurrency),
-                  api_key=options["api_key"] or None, allowed_origins=tuple(comma_items(options["allowed_origins"])))
+                  api_key=options["api_key"], allowed_origins=tuple(comma_items(options["allowed_origins"])))
 
 
 @click.command()
@@ -100,8 +128,9 @@ def build_served(options: dict):
               help="requests solved at once (engine slots)")
 @click.option("--max-queue", default=64, show_default=True, type=NON_NEGATIVE,
               help="requests waiting for a slot beyond which the server answers 429")
-@click.option("--prompt-tokens", default=DEFAULT_PROMPT_TOKENS, show_default=True, type=POSITIVE,
-              help="cells reserved for a request's prompt (template included); a longer prompt gets a 400")
+@click.option("--prompt-tokens", type=POSITIVE,
+              help="cells reserved for a request's prompt (template included); a longer prompt gets a 400 [default: "
+                   f"{DEFAULT_PROMPT_TOKENS}, or what the models' trained contexts hold beside one step if less]")
 @click.option("--mode", type=MODE, help=f"a request's default {preset_default(DEFAULTS.mode)}")
 @click.option("-n", "--n", "n", type=POSITIVE,
               help=f"candidates per model per round, the most a request may ask for {preset_default(DEFAULTS.n)}")
@@ -123,13 +152,17 @@ def serve(host, port, **options) -> None:
     """Serve the engine over an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics. A request's rescue settings (mode, n, budget, policy, rule) come as extra body fields;
     these options are their defaults."""
-    uvicorn, _, _, create_app, _, _ = serve_stack()
+    Server, _, _, create_app, _, _ = serve_stack()
     with listening_socket(host, port) as sock:
         served = build_served(options)
         served.engine.start()
         note(f"serving {served.model_id} on http://{host}:{port}/v1 ({options['concurrency']} at once, "
              f"{options['max_queue']} queued at most)")
         try:
-            uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning")).run(sockets=[sock])
-        finally:
-            served.engine.close()
+            Server(served, create_app(served)).run(sockets=[sock])
+        finally:  # SIGINT (SIGTERM ends the process as uvicorn returns): the requests are ended by now
+            if not served.engine.close(wait=ENGINE_STOP_SECONDS):
+                # the engine thread is inside a decode that nothing interrupts; freeing its models under it as
+                # Python exits could crash, so the process ends here, with Ctrl-C's status
+                note(f"the engine was still in a round after {ENGINE_STOP_SECONDS} s: stopped without waiting for it")
+                os._exit(interrupts.INTERRUPTED)

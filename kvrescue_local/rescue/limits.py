@@ -10,6 +10,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .. import gguf_header
 from ..errors import KVRescueError
@@ -30,33 +31,49 @@ def check_problem(text: str, where: str) -> str:
     return check_encodable(text, where, "pass the problem as UTF-8 text (convert it, e.g. with iconv)")
 
 
+def prompt_room(config: RescueConfig, model: Model | ModelFacts) -> int:
+    """The most prompt tokens (template included) a model holds: its trained context less one step of
+    --max-step-tokens, which must fit after the prompt; beyond it a model answers garbage, slowly."""
+    return model.n_ctx_train - config.max_step_tokens
+
+
+def check_prompt_room(config: RescueConfig, model: Model | ModelFacts, tokens: int, what: str,
+                      fix: Callable[[int], str], count: str | None = None) -> None:
+    """`what` (a prompt of `tokens` tokens, or the cells reserved for one) within prompt_room; `fix(room)` says what
+    to do about it; `count` words the tokens where they are a bound, not a count. solve's and bench's prompts,
+    `serve --prompt-tokens` and each request's prompt share it."""
+    room = prompt_room(config, model)
+    if tokens > room:
+        raise KVRescueError(f"{what} {count or f'{tokens:,} tokens'} with the prompt template, but {model.name} was trained on "
+                            f"{model.n_ctx_train:,} and one step of --max-step-tokens {config.max_step_tokens} must "
+                            f"fit after it: {fix(room)}")
+
+
 def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems: dict[str, str]) -> None:
     """Each problem's prompt plus one step must fit in every model's trained context: beyond it a model
     answers garbage, slowly. A prompt of more bytes than the room left could hold at the model's longest token is
     refused from its length, before tokenizing it (megabytes would take seconds and a gigabyte of tokens)."""
     for model in (m for m in models if m is not None):
-        room = model.n_ctx_train - config.max_step_tokens
         for where, problem in problems.items():
             prompt = config.prompt.format(problem=problem)
             size = len(prompt.encode("utf-8"))  # at least one byte a token: the vocabulary is read only past room
+            count, about = None, "about"
+            room = prompt_room(config, model)
             if size > room and size > room * model.longest_token_bytes:
                 tokens = -(-size // model.longest_token_bytes)
-                takes = f"takes at least {tokens:,} tokens ({size:,} bytes, at most {model.longest_token_bytes} a token)"
+                count = f"at least {tokens:,} tokens ({size:,} bytes, at most {model.longest_token_bytes} a token)"
                 about = "well under"  # tokens is a lower bound: the characters that fit are fewer than its share
             else:
                 tokens = len(model.tokenize(prompt))
-                takes, about = f"takes {tokens:,} tokens", "about"
-            if tokens > room:
-                trained = f"{where} {takes} with the prompt template, but {model.path.name} was trained on " \
-                          f"{model.n_ctx_train:,}"
+
+            def fix(room: int) -> str:
                 if room <= len(model.tokenize(config.prompt.format(problem=""))):
                     # not even the template fits beside one step: it is the step cap that leaves no room
-                    raise KVRescueError(f"{trained} and one step of --max-step-tokens {config.max_step_tokens} must "
-                                        f"fit after it: lower --max-step-tokens to at most "
-                                        f"{max(1, model.n_ctx_train - tokens):,}")
-                raise KVRescueError(
-                    f"{trained} and one step of {config.max_step_tokens} must fit after it: shorten it (to {about} "
-                    f"{len(problem) * room // tokens:,} characters) or use a model with a longer context")
+                    return f"lower --max-step-tokens to at most {max(1, model.n_ctx_train - tokens):,}"
+                return (f"shorten it (to {about} {len(problem) * room // tokens:,} characters) or use a model with a "
+                        "longer context")
+
+            check_prompt_room(config, model, tokens, f"{where} takes", fix, count)
 
 
 def padded(cells: int) -> int:

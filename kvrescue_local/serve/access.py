@@ -1,13 +1,12 @@
 """How the server refuses a request (RequestError, in OpenAI's error shape) and what every request passes before
 its body is parsed: the size of that body, refused from its Content-Length or as it arrives (nothing reads a body
-past --max-request-bytes), and the API key, when the server has one (--api-key, or KVRESCUE_API_KEY; none by
-default, as llama-server). Both end in the app's handlers, so their answers are OpenAI's error shape too."""
+past --max-request-bytes), and before it the API key, when the server has one (--api-key, or KVRESCUE_API_KEY;
+none by default, as llama-server). Both end in the app's handlers, so their answers are OpenAI's error shape too."""
 
 from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -59,15 +58,26 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-def authorized(api_key: str | None):
-    """A FastAPI dependency that refuses a request without `Authorization: Bearer <api_key>` (401, as OpenAI's
-    invalid_api_key); with no key, every request passes."""
-    async def check(request: Request) -> None:
-        if api_key is None:
+class ApiKey:
+    """ASGI middleware: with a key, every request but those to `open_paths` (the health probes) needs
+    `Authorization: Bearer <api_key>`; the others are answered by `refuse` (a 401, as OpenAI's invalid_api_key).
+    It runs before anything reads the body, so a request without the key is a 401 whatever its body holds."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...], refuse: ASGIApp) -> None:
+        self.app, self.api_key, self.open_paths, self.refuse = app, api_key, open_paths, refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise RequestError(401, "the API key is missing or wrong: send the server's key (its --api-key or "
-                                    "KVRESCUE_API_KEY) as `Authorization: Bearer KEY`, as OpenAI clients do with "
-                                    "api_key", code="invalid_api_key")
-    return check
+        scheme, _, given = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            await self.app(scope, receive, send)
+        else:
+            await self.refuse(scope, receive, send)
+
+
+def unauthorized() -> RequestError:
+    return RequestError(401, "the API key is missing or wrong: send the server's key (its --api-key or "
+                             "KVRESCUE_API_KEY) as `Authorization: Bearer KEY`, as OpenAI clients do with api_key",
+                        code="invalid_api_key")

@@ -14,24 +14,30 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
+from starlette.types import Receive, Scope, Send
 
 from ..errors import KVRescueError
 from ..rescue import RescueConfig
-from ..rescue.limits import GIB, check_kv_sizes, check_problem
+from ..rescue.limits import GIB, check_kv_sizes, check_problem, check_prompt_room
 from ..runtime import Model
-from .access import BodyLimit, RequestError, authorized, error_body
-from .engine import Engine, Job, QueueFull
+from .access import ApiKey, BodyLimit, RequestError, error_body, unauthorized
+from .engine import Engine, Job, QueueFull, ShuttingDown
 from .schemas import EXTENSION, ChatRequest, CompletionRequest, RescueFields
 
 RETRY_AFTER_SECONDS = 1
+SHUTDOWN_GRACE_SECONDS = 1.0  # what an open stream has to send its last events once the server is stopping
+GRACEFUL_SHUTDOWN_SECONDS = 2  # uvicorn cancels what still holds a connection after this
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its response; nobody receives it
-ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health and /metrics"
+ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health (/v1/health) and /metrics"
+HEALTH_PATHS = ("/health", "/v1/health")  # a liveness probe needs no key
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,13 @@ class Served:
             raise RequestError(400, str(exc), param=where) from None
         config = self.request_config(body)
         prompt = config.prompt.format(problem=problem)
-        prompt_tokens = max(len(m.tokenize(prompt)) for m in self.prompt_models)
+        counts = [(m, len(m.tokenize(prompt))) for m in self.prompt_models]
+        try:  # solve's check first: past a model's trained context no restart of the server can serve the prompt
+            for model, tokens in counts:
+                check_prompt_room(config, model, tokens, "the prompt is", lambda room: "shorten it")
+        except KVRescueError as exc:
+            raise RequestError(400, str(exc), param=where, code="context_length_exceeded") from None
+        prompt_tokens = max(tokens for _, tokens in counts)
         if prompt_tokens > self.engine.prompt_tokens_max:
             raise RequestError(400, f"the prompt is {prompt_tokens} tokens with the template, over the "
                                     f"{self.engine.prompt_tokens_max} this server reserves: shorten it or restart the "
@@ -127,6 +139,20 @@ class Served:
         except KVRescueError as exc:
             raise RequestError(400, str(exc), param="budget") from None
         return Job(problem, config, body.token_limit or config.max_tokens, body.stops(), prompt_tokens, loop)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which as it shuts down (SIGINT, SIGTERM) first ends every request the engine holds: an open
+    stream gets an error event and [DONE], a whole response a 503, so that the connections close at once instead of
+    when their trajectories end."""
+
+    def __init__(self, served: Served, app: FastAPI) -> None:
+        super().__init__(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS))
+        self.served = served
+
+    async def shutdown(self, sockets=None) -> None:
+        self.served.engine.stop()
+        await super().shutdown(sockets)
 
 
 async def client_gone(request: Request) -> None:
@@ -156,7 +182,7 @@ async def events_while_connected(request: Request, job: Job):
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="kvrescue-local", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = served.engine.metrics
-    api = APIRouter(dependencies=[Depends(authorized(served.api_key))])  # all but /health
+    api = APIRouter()
 
     def refusal(request: Request, status: int, message: str, kind: str = "invalid_request_error",
                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -188,7 +214,8 @@ def create_app(served: Served) -> FastAPI:
         return refusal(request, exc.status_code, message.get(exc.status_code, str(exc.detail)),
                        headers=exc.headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/v1/health", methods=["GET", "HEAD"])  # where a client given the base URL .../v1 looks
     async def health():
         return {"status": "ok" if served.engine.thread.is_alive() else "engine stopped"}
 
@@ -214,6 +241,8 @@ def create_app(served: Served) -> FastAPI:
             served.engine.submit(job)
         except QueueFull as exc:
             raise RequestError(429, str(exc), "rate_limit_exceeded") from None
+        except ShuttingDown as exc:
+            raise RequestError(503, str(exc), "server_error") from None
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": served.model_id}
@@ -225,7 +254,10 @@ def create_app(served: Served) -> FastAPI:
                 if kind == "error":  # an engine refusal before a stream's first step is still an HTTP error
                     raise RequestError(payload[0], payload[1], "server_error")
                 if body.stream:  # the stream sends this first event and watches its client itself from here on
-                    return EventSourceResponse(stream(job, (kind, payload), head, chat, path), ping=15)
+                    # at shutdown sse-starlette would cancel the stream at once: the grace lets its last events
+                    # (the engine's 503, then [DONE]) out first
+                    return EventSourceResponse(stream(job, (kind, payload), head, chat, path), ping=15,
+                                               shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
                 if kind == "done":
                     break
                 steps.append(payload)
@@ -250,9 +282,10 @@ def create_app(served: Served) -> FastAPI:
         try:
             while True:
                 kind, payload = event
-                if kind == "error":  # the stream has begun: the error comes as its last event
+                if kind == "error":  # the stream has begun: the error comes as its last event, before [DONE]
                     metrics.respond(path, payload[0])
                     yield json.dumps(error_body(payload[1], "server_error"))
+                    yield "[DONE]"
                     return
                 if kind == "step":
                     extension = {k: payload[k] for k in ("source", "score", "round")}
@@ -286,6 +319,16 @@ def create_app(served: Served) -> FastAPI:
 
     app.include_router(api)
     app.add_middleware(BodyLimit, limit=served.limits.request_bytes)
+    if served.api_key is not None:
+        async def refuse_key(scope: Scope, receive: Receive, send: Send) -> None:
+            # counted by the route the request would have reached, as the app's own refusals are
+            scope["route"] = next((r for r in api.routes if r.matches(scope)[0] != Match.NONE), None)
+            request = Request(scope, receive)
+            error = unauthorized()
+            await refusal(request, error.status, error.message, error.kind, error.param, error.code)(scope, receive,
+                                                                                                       send)
+
+        app.add_middleware(ApiKey, api_key=served.api_key, open_paths=HEALTH_PATHS, refuse=refuse_key)
     if served.allowed_origins:  # outermost: a browser's preflight is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=list(served.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])

@@ -37,7 +37,14 @@ LENGTH_STOPS = ("max_tokens", "max_steps")  # the `kvrescue.stop`s whose finish_
 MAX_ENGINES = 2
 
 
+SHUTTING_DOWN = "the server is shutting down (SIGINT or SIGTERM): this request was ended before it finished"
+
+
 class QueueFull(KVRescueError):
+    pass
+
+
+class ShuttingDown(KVRescueError):
     pass
 
 
@@ -136,17 +143,32 @@ class Engine:
     def start(self) -> None:
         self.thread.start()
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ends every request the engine holds, queued or running, with a 503 event, and takes no more: the engine
+        thread returns once its round is over (a round is one decode in llama.cpp, which nothing interrupts)."""
         with self.cond:
             self.closing = True
-            for job in self.running:
+            ended = [*self.pending, *self.running]
+            self.pending.clear()
+            self.metrics.queued = 0
+            for job in ended:
                 job.cancelled = True
             self.cond.notify_all()
+        for job in ended:
+            job.send("error", (503, SHUTTING_DOWN))
+
+    def close(self, wait: float | None = None) -> bool:
+        """stop, then wait up to `wait` seconds (None: however long) for the engine thread's round to end; whether
+        it has."""
+        self.stop()
         if self.thread.is_alive():
-            self.thread.join()
+            self.thread.join(wait)
+        return not self.thread.is_alive()
 
     def submit(self, job: Job) -> None:
         with self.cond:
+            if self.closing:
+                raise ShuttingDown(SHUTTING_DOWN)
             if len(self.pending) + len(self.running) >= self.concurrency + self.max_queue:
                 raise QueueFull(f"{len(self.running)} requests are running and {len(self.pending)} are queued, the "
                                 f"most this server takes (--concurrency {self.concurrency}, --max-queue "

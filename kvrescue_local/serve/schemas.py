@@ -56,7 +56,7 @@ class RescueFields(BaseModel):
     temperature: Annotated[float | None, option(TEMPERATURE)] = None
     top_p: Annotated[float | None, option(TOP_P)] = None
     seed: Annotated[int | None, option(SEED)] = None
-    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOPS)], None] = None
+    stop: Union[str, list[str], None] = None
     stream: bool = False
     logprobs: Annotated[Any, unsupported(False, 0)] = None
     # the rescue settings: defaults are the server's
@@ -68,10 +68,20 @@ class RescueFields(BaseModel):
     # the field that named a rule before rules were specs: refused, naming the spec that says the same
     choice: Annotated[Any, AfterValidator(refuse_choice)] = None
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def at_most_max_stops(cls, stop):
+        """Checked before the union's branches, which would each name their own failure (stop.str, ...)."""
+        if isinstance(stop, list) and len(stop) > MAX_STOPS:
+            raise ValueError(f"{len(stop)} stop sequences, over the {MAX_STOPS} a request may give (OpenAI's limit): "
+                             f"give at most {MAX_STOPS}")
+        return stop
+
     def stops(self) -> list[str]:
+        """The stop sequences; an empty one is dropped, alone as in a list (it would end every answer at once)."""
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        return [s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s]
 
     @property
     def token_limit(self) -> int | None:
