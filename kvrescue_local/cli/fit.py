@@ -18,7 +18,7 @@ from ..errors import KVRescueError
 from ..files import check_input_file
 from ..presets import HELPER
 from ..rescue import Mode
-from ..settings import POSITIVE, SEED
+from ..settings import POSITIVE, SEED, PolicySpecs
 from .common import note
 from .options import IntList
 
@@ -61,7 +61,7 @@ def duration(seconds: float) -> str:
 @click.option("--budgets", type=IntList(), default="64,128", show_default=True,
               help="the base KV budgets the rule is fitted for (comma-separated)")
 @click.option("--max-tokens", type=POSITIVE, help="trajectory length cap [default: the preset's, else 2048]")
-@click.option("--policy", help="eviction policy [default: the preset's, else rkv]")
+@click.option("--policy", type=PolicySpecs(several=False), help="eviction policy spec [default: the preset's, else rkv]")
 @click.option("--seed", "-s", type=SEED, help="[default: 0]")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="the preset folder written (and its rows/, which a stopped run resumes from)")
