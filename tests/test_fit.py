@@ -112,24 +112,29 @@ def test_fit_rows_rebuilds_the_coder_presets_commit_and_detector_files(tmp_path)
     assert close(json.loads((out / "commit.json").read_text()), json.loads((shipped / "commit.json").read_text()))
 
 
-def test_a_fit_stopped_by_ctrl_c_resumes_to_the_folder_of_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("how, rows", [(signal.SIGINT, "rollouts.jsonl"), (signal.SIGKILL, "detector.jsonl")])
+def test_a_fit_stopped_by_ctrl_c_or_a_crash_resumes_to_the_folder_of_an_uninterrupted_one(tmp_path, how, rows):
     data = toy_training_file(tmp_path / "train.jsonl")
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     assert CliRunner().invoke(main, fit_args(data, whole)).exit_code == 0
-    rollouts = stopped / "rows" / "rollouts.jsonl"
+    written = stopped / "rows" / rows
     proc = subprocess.Popen([sys.executable, "-m", "kvrescue_local", *fit_args(data, stopped)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
-    while time.time() < deadline and (not rollouts.exists() or len(rollouts.read_text().splitlines()) < 3):
+    while time.time() < deadline and (not written.exists() or len(written.read_text().splitlines()) < 3):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(how)
     _, err = proc.communicate()
-    assert proc.returncode == 130 and "the same command resumes" in err.decode()
+    if how == signal.SIGINT:
+        assert proc.returncode == 130 and "the same command resumes" in err.decode()
+    else:  # killed mid-sweep, maybe mid-line: the resumed run drops what it cut short
+        assert proc.returncode == -signal.SIGKILL
     assert not (stopped / "commit.json").exists()
     resumed = CliRunner().invoke(main, fit_args(data, stopped))
     assert resumed.exit_code == 0 and "resuming from" in resumed.output, resumed.output
     for name in FITTED_FILES:
         assert (stopped / name).read_bytes() == (whole / name).read_bytes(), name
+    assert (stopped / "rows" / "detector.jsonl").read_text() == (whole / "rows" / "detector.jsonl").read_text()
 
 
 def test_a_pair_of_no_preset_gets_no_judge_of_another_pair(base_path, helper_path, tmp_path):
@@ -186,3 +191,16 @@ def test_a_pair_the_helper_cannot_help_is_told_so_and_gets_base_first(helper_sol
     fitted = fit_rules(found, {}, say=said.append)
     assert fitted["rule"].startswith(rule) and fitted["datasets"]["d"].startswith(rule)
     assert any("KV-Rescue will not beat best-of-N" in line for line in said) == (rule == BASE_FIRST)
+
+
+def test_the_detector_statistics_of_a_problem_a_crash_cut_short_are_dropped_before_a_resume(tmp_path):
+    from kvrescue_local.prmtrain.detector import collect, complete_lines
+
+    line = {"dataset": "d", "setting": "full", "text": "x", "tokens": 9, "max_mean_entropy": 0.1, "min_compression": 0.5}
+    whole = [json.dumps({**line, "id": "1", "candidates": 2})] * 2
+    cut = [json.dumps({**line, "id": "2", "candidates": 3})] * 2  # one of its three lines never written
+    stats = tmp_path / "detector.jsonl"
+    stats.write_text("\n".join([*whole, *cut]) + '\n{"dataset": "d", "id": "3", "sett')
+    assert complete_lines(stats) == (whole, {("d", "1", "full")})
+    collect(None, {}, [], stats, 0)
+    assert stats.read_text() == "".join(line + "\n" for line in whole)

@@ -15,7 +15,7 @@ from ..compose import open_models, select_models
 from ..detect import DetectorParams
 from ..detect.calibrate import save_params
 from ..errors import KVRescueError
-from ..files import check_input_file
+from ..files import check_input_file, write_output
 from ..presets import HELPER
 from ..rescue import Mode
 from ..settings import POSITIVE, SEED, PolicySpecs
@@ -138,7 +138,7 @@ def fit_rows(rows: list[Path], judge_rows: list[Path], detector_stats: list[Path
     commit = fit_rules(rows_of, judged, say=click.echo)
     detector = fit_detector(read_stats(detector_stats), DetectorParams(), say=click.echo) if detector_stats else None
     out.mkdir(parents=True, exist_ok=True)
-    (out / "commit.json").write_text(json.dumps(commit, indent=2) + "\n")
+    write_output(out / "commit.json", json.dumps(commit, indent=2) + "\n", "--out")
     written = ["commit.json"]
     if detector is not None:
         save_params(detector, out / "detector.json")
@@ -157,7 +157,7 @@ def fit_rows(rows: list[Path], judge_rows: list[Path], detector_stats: list[Path
               "date": date.today().isoformat(), "rows": [p.name for p in rows]}
     spec = out / "preset.json"  # a preset's own (note, prompt, recipe) stays: the record is laid beside them
     kept = json.loads(spec.read_text()) if spec.is_file() else {"note": "fitted by `kvrescue-local fit --rows`"}
-    spec.write_text(json.dumps({**kept, FITTED: record}, indent=1) + "\n")
+    write_output(spec, json.dumps({**kept, FITTED: record}, indent=1) + "\n", "--out")
     click.echo(f"rule: {commit['rule']}")
     if detector is not None:
         click.echo(f"detector: entropy {detector.tau_entropy} nats, zstd {detector.tau_compression}")

@@ -19,6 +19,7 @@ from ..bench.results_file import writing
 from ..detect import Detector, DetectorParams, compression_ratio
 from ..detect.calibrate import MIN_SEPARABILITY, otsu_threshold
 from ..errors import KVRescueError
+from ..files import write_output
 from ..eviction import KVBudget
 from ..rescue import Rescue, RescueConfig
 from ..runtime import Model
@@ -39,31 +40,35 @@ def settings(template: RescueConfig, budgets: list[int]) -> dict[str, RescueConf
     return out
 
 
-def done_lines(stats: Path) -> set[tuple[str, str, str]]:
-    """(dataset, problem id, setting) of every problem a statistics file holds (a line cut off by a crash is left
-    out: that problem runs again)."""
-    done = set()
+def complete_lines(stats: Path) -> tuple[list[str], set[tuple[str, str, str]]]:
+    """The lines of a statistics file whose problem is whole (each line counts its problem's candidates, so a
+    problem a crash cut short is told apart; a line without the count is whole), and those problems' (dataset,
+    problem id, setting)."""
+    lines: dict[tuple[str, str, str], list[str]] = {}
+    expected: dict[tuple[str, str, str], int] = {}
     if stats.exists():
         for line in stats.read_text().splitlines():
             try:
                 row = json.loads(line)
-                done.add((row["dataset"], row["id"], row["setting"]))
+                key = (row["dataset"], row["id"], row["setting"])
             except (ValueError, KeyError, TypeError):
-                continue
-    return done
+                continue  # a line cut off by a crash
+            lines.setdefault(key, []).append(line)
+            expected[key] = row.get("candidates", 0)
+    whole = {key for key, found in lines.items() if len(found) >= expected[key]}
+    return [line for key in lines if key in whole for line in lines[key]], whole
 
 
 def collect(model: Model, configs: dict[str, RescueConfig], problems: list[tuple[str, str, str]], stats: Path,
             prompt_tokens_max: int, on_solved: Callable[[str, str, dict], None] = lambda label, dataset, record: None,
             on_skip: Callable[[int], None] = lambda n: None) -> int:
     """Solve each (dataset, id, problem) in each setting with the detector watching every base candidate and
-    killing none, appending one line per candidate to `stats` as each problem ends (what it holds already is
-    skipped: a stopped run resumes); returns the problems solved."""
+    killing none, appending one line per candidate to `stats` as each problem ends (what it holds whole already is
+    skipped, and a problem a crash cut short dropped: a stopped run resumes); returns the problems solved."""
     with writing(stats, "the detector's statistics"):  # one writer per file, from before it reads what is done
-        done = done_lines(stats)
-        if stats.exists() and stats.stat().st_size and not stats.read_bytes().endswith(b"\n"):
-            with stats.open("a") as out:  # a line cut off by a crash: it ends here, unreadable and skipped
-                out.write("\n")
+        kept, done = complete_lines(stats)
+        if stats.exists() and stats.read_text() != "".join(line + "\n" for line in kept):
+            write_output(stats, "".join(line + "\n" for line in kept), "the detector's statistics")
         engines = {}
         for label, config in configs.items():
             engines[label] = Rescue(config, model, prompt_tokens_max=prompt_tokens_max)
@@ -77,9 +82,10 @@ def collect(model: Model, configs: dict[str, RescueConfig], problems: list[tuple
                         on_skip(1)
                         continue
                     record = engine.solve(problem).to_json()
+                    candidates = [cand for step in record["steps"] for cand in step["candidates"]]
                     out.write("".join(json.dumps({"dataset": dataset, "id": problem_id, "setting": label,
-                                                  "text": cand["text"], **cand["detector"]}) + "\n"
-                                      for step in record["steps"] for cand in step["candidates"]))
+                                                  "candidates": len(candidates), "text": cand["text"],
+                                                  **cand["detector"]}) + "\n" for cand in candidates))
                     out.flush()
                     solved += 1
                     on_solved(label, dataset, record)

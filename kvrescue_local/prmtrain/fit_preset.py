@@ -31,7 +31,7 @@ from ..bench.run import run_sweep, sweep_axes
 from ..compose import Selection, helper_head
 from ..detect.calibrate import save_params
 from ..errors import KVRescueError
-from ..files import file_hash
+from ..files import file_hash, write_output
 from ..presets import FITTED, HELPER
 from ..rescue import Models, RescueConfig, longest_prompt
 from ..rescue.limits import check_prompts_fit
@@ -210,7 +210,7 @@ class Fitter:
     def write(self, detector, commit: dict, head: Path | None) -> dict:
         folder, template = self.plan.folder, self.plan.template
         save_params(detector, folder / "detector.json")
-        (folder / "commit.json").write_text(json.dumps(commit, indent=2) + "\n")
+        write_output(folder / "commit.json", json.dumps(commit, indent=2) + "\n", "--out")
         paths = self.selection.paths
         models = {"base": model_record(Path(paths["base"])), "helper": model_record(Path(paths["helper"]))}
         if self.plan.prm is not None and paths["prm"] not in (None, HELPER):
@@ -231,5 +231,5 @@ class Fitter:
         spec = {"note": f"fitted by `kvrescue-local fit` on {len(problems)} {self.plan.dataset.label} training "
                         f"problems: base {models['base']['file']}, helper {models['helper']['file']}",
                 "prompt": template.prompt, "recipe": recipe, FITTED: record}
-        (folder / "preset.json").write_text(json.dumps(spec, indent=1) + "\n")
+        write_output(folder / "preset.json", json.dumps(spec, indent=1) + "\n", "--out")
         return record
