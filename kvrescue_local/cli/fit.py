@@ -61,7 +61,8 @@ def duration(seconds: float) -> str:
 @click.option("--budgets", type=IntList(), default="64,128", show_default=True,
               help="the base KV budgets the rule is fitted for (comma-separated)")
 @click.option("--max-tokens", type=POSITIVE, help="trajectory length cap [default: the preset's, else 2048]")
-@click.option("--policy", type=PolicySpecs(several=False), help="eviction policy spec [default: the preset's, else rkv]")
+@click.option("--policy", type=PolicySpecs(several=False),
+              help="eviction policy spec [default: the preset's, else rkv]")
 @click.option("--seed", "-s", type=SEED, help="[default: 0]")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="the preset folder written (and its rows/, which a stopped run resumes from)")
@@ -134,7 +135,8 @@ def fit_rows(rows: list[Path], judge_rows: list[Path], detector_stats: list[Path
         for path in paths:
             check_input_file(path, option, "pass a results file")
     rows_of = {path: rows_in(path, "results files of `bench run --split train`") for path in rows}
-    judged = {path: rows_in(path, "to --judge-rows the rollouts the judge's head was trained on") for path in judge_rows}
+    judged = {path: rows_in(path, "to --judge-rows the rollouts the judge's head was trained on")
+              for path in judge_rows}
     commit = fit_rules(rows_of, judged, say=click.echo)
     detector = fit_detector(read_stats(detector_stats), DetectorParams(), say=click.echo) if detector_stats else None
     out.mkdir(parents=True, exist_ok=True)

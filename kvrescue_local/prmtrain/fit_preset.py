@@ -100,8 +100,8 @@ def decode_rate(model: Model, threads: int, tokens: int = 16) -> float:
 
 
 def estimate_seconds(plan: Plan, base_rate: float, helper_rate: float) -> float:
-    """At most how long the sweeps take: each solve runs to the token cap (most end sooner), the base's at its
-    rate, the helper's at its own, a KV-Rescue round decoding both."""
+    """A bound on the sweeps' decoding time: each solve runs to the token cap (most end sooner), the base's at its
+    rate, the helper's at its own, a KV-Rescue round decoding both (the judge's reads, a small share, left out)."""
     cap = plan.template.max_tokens
     solves = plan.solves
     base_solves = solves["detector"] + solves["rollouts"] - len(plan.dataset.problems) + solves["calibration"]
@@ -145,9 +145,8 @@ class Fitter:
         collect(self.models.base, configs, [(label, p.id, p.problem) for p in self.plan.dataset.problems], stats,
                 self.reserve, on_solved=lambda *solved: step(1), on_skip=step)
         params = fit_detector(self.mine(read_stats([stats])), self.plan.template.detector)
-        self.say(f"detector: entropy {params.tau_entropy} nats, zstd {params.tau_compression} "
-                 f"({'fitted' if params != self.plan.template.detector else 'the starting thresholds kept: no signal separated'}"
-                 f" on {stats})")
+        how = "fitted" if params != self.plan.template.detector else "the starting thresholds kept: no signal separated"
+        self.say(f"detector: entropy {params.tau_entropy} nats, zstd {params.tau_compression} ({how} on {stats})")
         return params
 
     def sweep(self, name: str, label: str, modes: list[str], budgets: tuple[int, ...], rule: str,
@@ -190,22 +189,17 @@ class Fitter:
         # the regime first: the calibration's rows run at the largest budget where the base is the weaker writer
         budget = max(r.judge_max_budget for r in fit_regime(rows_of[rollouts], str(rollouts)))
         if budget:
-            judged = dataclasses.replace(template.with_overrides({"detector": {
-                "tau_entropy": detector.tau_entropy, "tau_compression": detector.tau_compression}}))
-            models = dataclasses.replace(self.models, prm=self.judge_of(head))
+            judged = template.with_overrides({"detector": {"tau_entropy": detector.tau_entropy,
+                                                           "tau_compression": detector.tau_compression}})
+            # the head trained here, else the PRM given (open_models opened it)
+            judge = self.models.prm if head is None else helper_head(head, self.models.helper, str(self.plan.folder))
+            models = dataclasses.replace(self.models, prm=judge)
             calibration = self.sweep("calibration", "4/4 calibration", ["kvrescue"], (budget,), JUDGE_RULE, judged,
                                      models)
             rows_of[calibration] = self.mine(read_rows(calibration))
         commit = fit_rules(rows_of, judge_rows, say=self.say)
         self.say(f"rule: {commit['rule']}")
         return self.write(detector, commit, head)
-
-    def judge_of(self, head: Path | None):
-        if head is not None:
-            return helper_head(head, self.models.helper, str(self.plan.folder))
-        if self.models.prm is None:
-            raise KVRescueError("the PRM given did not open: pass --prm PATH.gguf[:HEAD.npz] or helper:HEAD.npz")
-        return self.models.prm
 
     def write(self, detector, commit: dict, head: Path | None) -> dict:
         folder, template = self.plan.folder, self.plan.template
