@@ -67,6 +67,9 @@ def test_fit_writes_a_preset_folder_that_solve_runs_with_the_rule_and_thresholds
         assert served.has_prm and served.config.rule.spec == printed_rule
     finally:
         served.engine.close()
+    other_pair = CliRunner().invoke(main, [*fit_args(tmp_path / "train.jsonl", out)[:3], "--helper", str(TOY / "prm.gguf"),
+                                           *fit_args(tmp_path / "train.jsonl", out)[5:]])
+    assert other_pair.exit_code != 0 and "holds another preset" in other_pair.output, other_pair.output
     moved = tmp_path / "moved"  # the folder names its models by path and fingerprint: another file is refused
     moved.mkdir()
     spec = json.loads((out / "preset.json").read_text())

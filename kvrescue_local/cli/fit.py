@@ -91,7 +91,8 @@ def fit(base, helper, prm, dataset, data, limit, budgets, max_tokens, policy, se
     if prm == HELPER:
         raise KVRescueError("--prm helper names no head: pass --prm helper:HEAD.npz (a head trained on this helper), "
                             "or leave --prm out and fit trains one")
-    from ..prmtrain.fit_preset import Fitter, Plan, decode_rate, estimate_seconds, training_problems
+    from ..prmtrain.fit_preset import (Fitter, Plan, check_own_folder, decode_rate, estimate_seconds,
+                                       training_problems)
 
     for option, path in (("--base", base), ("--helper", helper), ("--data", data)):
         if path is not None:
@@ -100,6 +101,7 @@ def fit(base, helper, prm, dataset, data, limit, budgets, max_tokens, policy, se
     options = {"base": base, "helper": helper, "prm": prm, "threads": ONE_THREAD, "max_tokens": max_tokens,
                "policy": policy, "seed": seed, "preset": None}
     selection = select_models(options, True, True, needs_prm=prm is not None, note=note)
+    check_own_folder(out, selection.paths)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
     template, models = open_models(selection, template, True, True, 2 if prm else 1,
                                    [p.problem for p in problems.problems])

@@ -113,6 +113,28 @@ def model_record(path: Path) -> dict:
     return {"file": path.name, "path": str(path.resolve()), "sha256": file_hash(path)}
 
 
+PAIR = "pair.json"  # rows/'s record of the models its rows ran: a resume must be of the same pair
+
+
+def check_own_folder(folder: Path, paths: dict) -> None:
+    """--out is a folder of this pair's fit, or a new one: another preset's folder (its preset.json records no fit,
+    or another pair's) or rows of another pair are refused before anything is written."""
+    models = {role: model_record(Path(paths[role])) for role in ("base", "helper")}
+    spec = folder / "preset.json"
+    if spec.is_file():
+        recorded = (json.loads(spec.read_text()).get(FITTED) or {}).get("models") or {}
+        if any((recorded.get(role) or {}).get("sha256") != models[role]["sha256"] for role in models):
+            raise KVRescueError(f"--out {folder} holds another preset (its preset.json is no fit of this pair): pass a "
+                                "new folder")
+    pair = folder / "rows" / PAIR
+    fingerprints = {role: models[role]["sha256"] for role in models}
+    if pair.is_file() and json.loads(pair.read_text()) != fingerprints:
+        raise KVRescueError(f"{folder / 'rows'} holds the rows of another pair ({pair}): pass a new folder to --out, "
+                            "or remove that one")
+    pair.parent.mkdir(parents=True, exist_ok=True)
+    write_output(pair, json.dumps(fingerprints) + "\n", "--out")
+
+
 class Fitter:
     """The stages on open models; `say` hears what each fitted, `progress(label, total)` gives a callback a stage
     calls once per problem done (or skipped: done by an earlier run)."""
@@ -120,7 +142,6 @@ class Fitter:
     def __init__(self, plan: Plan, selection: Selection, models: Models, say: Callable[[str], None],
                  progress: Callable[[str, int], Callable[[int], None]]) -> None:
         self.plan, self.selection, self.models, self.say, self.progress = plan, selection, models, say, progress
-        self.plan.rows.mkdir(parents=True, exist_ok=True)
         texts = {f"problem {p.id}": p.problem for p in plan.dataset.problems}
         check_prompts_fit(plan.template, [models.base, models.helper], texts)
         self.reserve = longest_prompt(plan.template, [models.base, models.helper], list(texts.values()))
