@@ -189,7 +189,9 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     """--base/--helper/--prm, falling back to --preset for what is not given. A PRM is needed only where a
     round has a choice (more than one candidate); `--prm helper` reads the helper's context with the preset's
     helper head, `--prm helper:HEAD.npz` with that one; `--prm PATH.gguf:HEAD.npz` is a separate PRM whose head
-    is not beside it."""
+    is not beside it. A preset's judge, detector thresholds and rules were fitted for its own pair: where --base or
+    --helper gives a model of another fingerprint (presets.owns), they do not apply, and a run that needs the
+    preset's judge is refused (refuse_judge_of_another_pair)."""
     given = {role: options.get(role) for role in ("base", "helper", "prm")}
     given["prm"], head_given = prm_head_given(given["prm"])
     in_helper = given["prm"] == HELPER
