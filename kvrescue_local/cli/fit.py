@@ -101,17 +101,17 @@ def fit(base, helper, prm, dataset, data, limit, budgets, max_tokens, policy, se
     options = {"base": base, "helper": helper, "prm": prm, "threads": ONE_THREAD, "max_tokens": max_tokens,
                "policy": policy, "seed": seed, "preset": None}
     selection = select_models(options, True, True, needs_prm=prm is not None, note=note)
+    resuming = (out / "rows").is_dir() and any(path.name != "pair.json" for path in (out / "rows").iterdir())
     check_own_folder(out, selection.paths)
     template = selection.config(options, mode=Mode.KVRESCUE, n=1, kv={"budget": max(budgets)})
     template, models = open_models(selection, template, True, True, 2 if prm else 1,
                                    [p.problem for p in problems.problems])
     plan = Plan(out, problems, tuple(sorted(budgets)), template, prm)
     seconds = estimate_seconds(plan, decode_rate(models.base, ONE_THREAD), decode_rate(models.helper, ONE_THREAD))
-    done = plan.rows.exists() and any(plan.rows.iterdir())
     click.echo(f"fitting {out} on {len(problems.problems)} {problems.label} training problems, budgets "
-               f"{', '.join(map(str, plan.budgets))}: estimated wall time at most {duration(seconds)} at one thread "
-               f"(every trajectory to the {template.max_tokens}-token cap; most end sooner)"
-               f"{'; resuming from ' + str(plan.rows) if done else ''}")
+               f"{', '.join(map(str, plan.budgets))}: estimated wall time {duration(seconds)} at one thread (every "
+               f"trajectory run to the {template.max_tokens}-token cap at the decode rates measured now, most end "
+               f"sooner; the judge's training comes on top){'; resuming from ' + str(plan.rows) if resuming else ''}")
     bars = StageBars()
     try:
         record = Fitter(plan, selection, models, say=lambda line: (bars.close(), click.echo(line)),
