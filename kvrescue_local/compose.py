@@ -28,41 +28,10 @@ from .rescue.limits import ModelFacts, RunModels
 from .runtime import Model
 from .runtime.model import check_gguf_file
 from .runtime.rpc import parse_endpoints
+from .settings import BY_FIELD, config_overrides
 
 PROMPT_METADATA = "kvrescue.prompt_template"
 ALL_LAYERS = -1  # llama.cpp's n_gpu_layers for "every layer"
-# command-line option -> RescueConfig field (("kv" | "detector", field) for the nested ones)
-OPTION_FIELDS = {
-    "mode": "mode", "n": "n", "budget": ("kv", "budget"), "policy": ("kv", "policy"), "buffer": ("kv", "buffer"),
-    "n_sink": ("kv", "n_sink"), "window": ("kv", "window"), "protect_prompt": ("kv", "protect_prompt"),
-    "tau_entropy": ("detector", "tau_entropy"), "tau_compression": ("detector", "tau_compression"),
-    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "n_gpu_layers": "n_gpu_layers",
-    "threads": "n_threads", "flash_attn": "flash_attn", "max_tokens": "max_tokens", "max_steps": "max_steps",
-    "max_step_tokens": "max_step_tokens", "prompt_template": "prompt", "rule": "rule",
-    "helper_tau_entropy": "helper_tau_entropy", "helper_tau_compression": "helper_tau_compression",
-    "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
-    "cache_type_k_helper": "helper_cache_type_k", "cache_type_v_helper": "helper_cache_type_v",
-}
-# -ctk/-ctv set the helper's caches too, unless -ctkh/-ctvh set them
-HELPER_FOLLOWS = {"cache_type_k_helper": "cache_type_k", "cache_type_v_helper": "cache_type_v"}
-
-
-def option_overrides(options: dict) -> dict:
-    """The RescueConfig fields the command line sets (options left at None are not set)."""
-    out: dict = {}
-    for option, target in OPTION_FIELDS.items():
-        value = options.get(option)
-        if value is None and option in HELPER_FOLLOWS:
-            value = options.get(HELPER_FOLLOWS[option])
-        if value is None:
-            continue
-        if isinstance(target, tuple):
-            out.setdefault(target[0], {})[target[1]] = value
-        else:
-            out[target] = value
-    return out
-
-
 def preset_config(preset: Preset | None, dataset: str | None = None, **overrides) -> RescueConfig:
     """RescueConfig's defaults, then the preset's prompt and recipe (with what it holds for `dataset`'s problems laid
     over it), then `overrides` (fields; kv and detector as dicts); a calibrated rule without its numbers takes the
@@ -141,7 +110,7 @@ class Selection:
     def config(self, options: dict, dataset: str | None = None, **overrides) -> RescueConfig:
         """The run's settings; `dataset`: whose fitted rules apply (--dataset, or --fitted-for)."""
         check_fitted_for(self, options.get("fitted_for"))
-        return preset_config(self.preset, dataset, **merged(option_overrides(options), overrides))
+        return preset_config(self.preset, dataset, **merged(config_overrides(options), overrides))
 
     @property
     def head(self) -> Path | None:
@@ -295,11 +264,9 @@ def model_facts(selection: Selection, needs_base: bool, needs_helper: bool, max_
                      ModelFacts.read(paths["prm"]) if own_prm else None)
 
 
-# settings whose default a model may not honour: (RescueConfig field, or ("kv", field)), its option, the models whose
-# trained context bounds it (the buffer only where the base evicts)
-TRAINED_BOUNDS = (("max_tokens", "--max-tokens", ("base", "helper")),
-                  ("max_step_tokens", "--max-step-tokens", ("base", "helper")),
-                  (("kv", "buffer"), "--buffer", ("base",)))
+# settings whose default a model may not honour (settings.SETTINGS' fields), and the models whose trained context
+# bounds each (the buffer only where the base evicts)
+TRAINED_BOUNDS = (("max_tokens", ("base", "helper")), ("max_step_tokens", ("base", "helper")), ("kv.buffer", ("base",)))
 
 
 def fit_defaults(config: RescueConfig, models: RunModels, options: dict,
@@ -308,19 +275,20 @@ def fit_defaults(config: RescueConfig, models: RunModels, options: dict,
     defaults are sized for models of 4,096 positions; a preset's recipe for the preset's own models) lowered to that
     model's trained context, saying so in one note. A value the command line gave is left for check_context_sizes
     to refuse."""
-    given = option_overrides(options)
+    given = config_overrides(options)
     used = {"base": models.base if config.uses_base else None, "helper": models.helper if config.uses_helper else None}
     lowered, said = [], []
-    for field, option, roles in TRAINED_BOUNDS:
-        nested = isinstance(field, tuple)
-        value = getattr(config.kv, field[1]) if nested else getattr(config, field)
-        is_given = field[1] in given.get("kv", {}) if nested else field in given
-        bounds = [used[role] for role in roles if used[role] is not None and (not nested or config.evicts)]
+    for field, roles in TRAINED_BOUNDS:
+        group, _, name = field.rpartition(".")
+        value = getattr(getattr(config, group) if group else config, name)
+        is_given = name in (given.get(group, {}) if group else given)
+        bounds = [used[role] for role in roles if used[role] is not None and (not group or config.evicts)]
         model = min(bounds, key=lambda m: m.n_ctx_train, default=None)
         if is_given or model is None or value <= model.n_ctx_train:
             continue
-        lowered.append({field[0]: {field[1]: model.n_ctx_train}} if nested else {field: model.n_ctx_train})
-        said.append(f"{option} {value:,} to {model.n_ctx_train:,}, the positions {model.name} was trained on")
+        lowered.append({group: {name: model.n_ctx_train}} if group else {name: model.n_ctx_train})
+        said.append(f"{BY_FIELD[field].flag} {value:,} to {model.n_ctx_train:,}, the positions {model.name} was "
+                    "trained on")
     if not lowered:
         return config
     note(f"lowered the default {'; '.join(said)} (give them to choose)")

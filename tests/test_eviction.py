@@ -310,7 +310,7 @@ def test_a_budget_larger_than_the_generation_changes_nothing(base_model):
 def test_refusals(base_model):
     with pytest.raises(KVRescueError, match="must exceed sinks"):
         KVBudget(budget=12, n_sink=4, window=8)
-    with pytest.raises(KVRescueError, match="--window 8 exceeds --buffer 4"):
+    with pytest.raises(KVRescueError, match="kv.window 8 exceeds kv.buffer 4"):
         KVBudget(buffer=4, window=8)
     budget = KVBudget(budget=64, buffer=128)
     small = Context(base_model, ContextParams(n_ctx=512, n_seq_max=9))

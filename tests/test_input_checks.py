@@ -3,6 +3,7 @@ was trained on and the memory allowed (before llama.cpp allocates), text that UT
 anywhere ends with rc 130 and no traceback; messages that say what is true. The toy preset, one thread."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 from test_hardening import FAST, PROBLEM, TOY, invoke, one_error_line
 
-from kvrescue_local.errors import KVRescueError
+from kvrescue_local.errors import KVRescueError, SettingError
+from kvrescue_local.settings import command_line_name, request_name
 
 
 def data_file(tmp_path, *rows: str):
@@ -165,10 +167,14 @@ def test_the_size_check_is_a_plain_function_of_settings_and_facts():
     assert facts.n_ctx_train == 1024 and kv_bytes_per_cell(facts, "f16", "f16") == 3 * 2 * 24 * 2 * 2
     config = RescueConfig(mode=Mode.FULL, n=1, max_tokens=512, max_step_tokens=32)
     check_context_sizes(config, RunModels(base=facts), memory=1 << 30)
-    with pytest.raises(KVRescueError, match="--max-tokens 2048 exceeds the 1,024 positions base.gguf"):
+    # the refusals name settings by field, and each interface words them: the command line by its flags
+    with pytest.raises(SettingError) as refused:
         check_context_sizes(RescueConfig(mode=Mode.FULL, n=1, max_tokens=2048), RunModels(base=facts), 1 << 30)
-    with pytest.raises(KVRescueError, match=r"of the memory allowed \(--memory 1K\).*--max-tokens 512"):
+    assert refused.value.worded(command_line_name).startswith("--max-tokens 2048 exceeds the 1,024 positions base.gguf")
+    assert refused.value.worded(request_name).startswith("max_tokens 2048 exceeds")
+    with pytest.raises(SettingError) as refused:
         check_context_sizes(config, RunModels(base=facts), 1024, "the memory allowed (--memory 1K)")
+    assert re.search(r"of the memory allowed \(--memory 1K\).*--max-tokens 512", refused.value.worded(command_line_name))
 
 
 # --- 10. infinite and overflowing sizes -----------------------------------------------------------------

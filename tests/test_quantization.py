@@ -287,9 +287,10 @@ def test_the_concurrency_memory_check_counts_the_cache_types_bytes(base_model, h
 
 
 def test_ctk_ctv_set_both_sides_and_ctkh_ctvh_the_helper_alone():
-    from kvrescue_local.compose import option_overrides, preset_config
+    from kvrescue_local.compose import preset_config
+    from kvrescue_local.settings import config_overrides
 
-    both = preset_config(None, **option_overrides({"cache_type_k": "q8_0", "cache_type_v": "q4_0", "flash_attn": "on"}))
+    both = preset_config(None, **config_overrides({"cache_type_k": "q8_0", "cache_type_v": "q4_0", "flash_attn": "on"}))
     assert both.cache_types("base") == both.cache_types("helper") == ("q8_0", "q4_0")
-    base_only = preset_config(None, **option_overrides({"cache_type_k": "q4_0", "cache_type_k_helper": "f16"}))
+    base_only = preset_config(None, **config_overrides({"cache_type_k": "q4_0", "cache_type_k_helper": "f16"}))
     assert base_only.cache_types("base") == ("q4_0", "f16") and base_only.cache_types("helper") == ("f16", "f16")

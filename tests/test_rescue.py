@@ -155,7 +155,7 @@ def test_bad_input(base_model, helper_model, tiny_prm, tmp_path):
         Rescue(config(), base_model, model_without_chat_tokens(tmp_path / "odd.gguf"), tiny_prm)
     with pytest.raises(KVRescueError, match="helper context 300 cannot hold.*raise it or lower --max-tokens"):
         Rescue(config(helper_ctx=300), base_model, helper_model, tiny_prm)
-    with pytest.raises(KVRescueError, match="N must be at least 1"):
+    with pytest.raises(KVRescueError, match="n must be at least 1"):
         config(n=0)
     with pytest.raises(KVRescueError, match="unknown eviction policy"):
         config(kv=KVBudget(policy="fifo"))

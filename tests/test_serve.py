@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 
 from kvrescue_local.cli import main  # noqa: E402
 from kvrescue_local.cli.serve import build_served, serve  # noqa: E402
-from kvrescue_local.errors import KVRescueError  # noqa: E402
+from kvrescue_local.errors import KVRescueError, SettingError  # noqa: E402
 from kvrescue_local.rescue import Rescue, longest_prompt, loop  # noqa: E402
 from kvrescue_local.rescue.rules import Judge  # noqa: E402
 from kvrescue_local.runtime import Context  # noqa: E402
@@ -166,7 +166,9 @@ def test_start_sizes_and_a_blank_key_are_refused_before_any_model_opens(monkeypa
     monkeypatch.setattr(sys.modules[build_served.__module__], "open_models", no_models)  # cli.serve is the command
     with pytest.raises(KVRescueError) as refused:
         build_served(serve.make_context("serve", [*START_ARGS, *args]).params)
-    assert said in str(refused.value)
+    # a refused setting is worded by the command that runs build_served: by its options' flags
+    error = refused.value
+    assert said in (error.worded(serve.option_name) if isinstance(error, SettingError) else str(error))
 
 
 def test_start_refusals_are_one_error_line():
@@ -300,7 +302,7 @@ def test_a_request_whose_kv_caches_exceed_memory_is_refused(toy_server):
     server = LoopbackServer([*TOY_ARGS, "--memory", str((own + largest) // 2)], start_engine=False)
     try:
         response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a=1", "budget": served.limits.max_budget})
-        assert response.status_code == 400 and "--memory" in response.json()["error"]["message"]
+        assert response.status_code == 400 and "(its memory setting)" in response.json()["error"]["message"]
     finally:
         server.close()
     with pytest.raises(KVRescueError, match="--memory"):
@@ -315,7 +317,7 @@ def test_a_budget_that_cannot_hold_a_protected_prompt_is_refused():
         response = httpx.post(f"{server.url}/v1/completions",
                               json={"prompt": toy_dataset().problems[0].problem, "budget": 20})
         assert response.status_code == 400 and response.json()["error"]["param"] == "budget"
-        assert "--protect-prompt keeps the prompt's" in response.json()["error"]["message"]
+        assert "the server's protect-prompt keeps the prompt's" in response.json()["error"]["message"]
     finally:
         server.close()
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import click
 
 from .. import interrupts
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..files import os_error_message
+from ..settings import command_line_name
 from .bench import bench
 from .doctor import doctor, package_version
 from .fit import fit
@@ -29,6 +30,8 @@ class ProjectErrorsAsOneLine(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt:
             interrupts.exit_interrupted()
+        except SettingError as exc:  # a command that names settings in its own words has worded it already
+            raise click.ClickException(exc.worded(command_line_name)) from None
         except KVRescueError as exc:
             raise click.ClickException(str(exc)) from None
         except OSError as exc:  # a full disk or a vanished folder mid-run: one line, no chained traceback

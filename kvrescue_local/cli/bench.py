@@ -22,7 +22,8 @@ from ..rescue import MODES, Mode, longest_prompt
 from ..rescue.limits import (GIB, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
                              check_prompts_fit, largest_fitting, models_kv_memory)
 from ..settings import POSITIVE, RULE, PolicySpecs
-from .common import DEFAULTS, FITTED_FOR_HELP, RULE_HELP, name_list, note, parse_size, search_options
+from .common import (DEFAULTS, FITTED_FOR_HELP, RULE_HELP, GroupedOption, SettingsCommand, name_list, note, parse_size,
+                     search_options)
 from .options import CacheTypeList, IntList, Names, check_cache_fit, check_prm_ctx
 
 MODEL_OPTIONS = {"base": "--base", "helper": "--helper", "prm": "--prm", "prm_head": "the PRM's head"}
@@ -34,7 +35,7 @@ def bench() -> None:
     """Benchmarks over datasets, modes, budgets and N, with the paper's metrics."""
 
 
-@bench.command("run")
+@bench.command("run", cls=SettingsCommand)
 @click.option("--dataset", default="math500", show_default=True, help=f"one of {', '.join(dataset_names())}")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), help="a JSONL file of {id, problem, answer}")
 @click.option("--limit", type=POSITIVE, help="first LIMIT problems only")
@@ -48,9 +49,9 @@ def bench() -> None:
 @click.option("--ns", type=IntList(), default=str(DEFAULTS.n), show_default=True, help="comma-separated candidates per model")
 @click.option("--policies", type=PolicySpecs(several=True), help="comma-separated eviction policy specs, e.g. rkv,snapkv or rkv:lam=0.1,kernel=5,h2o "
                                  f"[default: the preset's, else {DEFAULTS.kv.policy}]")
-@click.option("--rule", "rules", type=RULE, multiple=True,
+@click.option("--rule", "rules", type=RULE, multiple=True, cls=GroupedOption, group="rule",
               help=f"{RULE_HELP}; repeat it for a sweep, each rule a configuration of its own")
-@click.option("--fitted-for", help=FITTED_FOR_HELP)
+@click.option("--fitted-for", cls=GroupedOption, group="rule", help=FITTED_FOR_HELP)
 @click.option("--bases", help="comma-separated base models (GGUF paths or owner/repo:FILE.gguf), a sweep axis "
                                "[default: --base, else the preset's]")
 @click.option("--weight-types", type=Names(WEIGHT_TYPES, "weight type", several=True),
@@ -60,7 +61,7 @@ def bench() -> None:
 @click.option("--cache-types", type=CacheTypeList(),
               help="comma-separated KV cache types, a sweep axis: each TYPE (K and V) or K/V, llama.cpp's -ctk/-ctv "
                    "names, for the base and the helper (-ctkh/-ctvh fix the helper's) [default: -ctk/-ctv]")
-@search_options
+@search_options(sweep=True)
 @click.option("--results", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="JSONL file the results are appended to (plain text: not a .zst)")
 @click.option("--resume", is_flag=True, help="continue RESULTS, skipping what is done")
@@ -113,7 +114,7 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
     for config in configs:
         check_context_sizes(config, facts, allowed, f"the memory allowed (--memory {memory})" if memory else
                             "half of the available memory (--memory)", options["prm_ctx"],
-                            max(len(p.encode()) for p in problems), "--budgets")
+                            max(len(p.encode()) for p in problems))
     named = {f"{data_set.label} problem {p.id}": p.problem for p in data_set.problems}
     template, models = open_models(selection, template, needs_base, needs_helper, candidates, problems,
                                    prompt_given=options["prompt_template"] is not None, prm_ctx=options["prm_ctx"],
@@ -126,7 +127,7 @@ def run_command(dataset, data, limit, skip, split, modes, budgets, ns, policies,
             check_prompts_fit(template, [base], named)
         check_cache_fit(configs, base, models.helper)
         if base is not None:
-            check_kv_sizes(configs, base, longest_prompt(template, [base], problems), "--budgets")
+            check_kv_sizes(configs, base, longest_prompt(template, [base], problems))
     prompt_tokens = longest_prompt(template, [*every_base, models.helper], problems)
 
     def need(config, slots: int) -> int:

@@ -1,4 +1,5 @@
-"""What the commands share: the search options, list parsing, JSON output."""
+"""What the commands share: the options of the settings (made from settings.SETTINGS) and their grouped help, the
+model options, list parsing, JSON output."""
 
 from __future__ import annotations
 
@@ -7,43 +8,79 @@ from pathlib import Path
 import click
 
 from ..bench.estimate import scaled
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..files import json_text, write_output
-from ..rescue import RescueConfig
-from ..rescue.rules import CHOICE_SPECS, rules_help
-from ..runtime.context import CACHE_TYPES
-from ..settings import POSITIVE, SEED, TEMPERATURE, TOP_P, Finite
-from .options import MAX_THREADS, NON_NEGATIVE, THREADS, PromptTemplate
-
-DEFAULTS = RescueConfig()
+from ..rescue.rules import CHOICE_SPECS
+from ..settings import BY_FIELD, DEFAULTS, GROUPS, NON_NEGATIVE, SETTINGS, Setting, command_line_name, range_text
 
 
 def preset_default(value) -> str:
     return f"[default: the preset's, else {value}]"
 
 
-# llama.cpp's names: -ctk/-ctv for the model, and for the second model the draft model's -ctkd/-ctvd with h for helper
-CACHE_TYPE_OPTIONS = [
-    click.option("--cache-type-k", "-ctk", type=click.Choice(list(CACHE_TYPES)),
-                 help=f"KV cache type for K, base and helper (llama.cpp's -ctk) {preset_default(DEFAULTS.cache_type_k)}"),
-    click.option("--cache-type-v", "-ctv", type=click.Choice(list(CACHE_TYPES)),
-                 help="KV cache type for V, base and helper (llama.cpp's -ctv; a quantized V needs -fa on) "
-                      f"{preset_default(DEFAULTS.cache_type_v)}"),
-    click.option("--cache-type-k-helper", "-ctkh", type=click.Choice(list(CACHE_TYPES)),
-                 help="the helper's K cache type, as llama.cpp's -ctkd sets its draft model's [default: -ctk's]"),
-    click.option("--cache-type-v-helper", "-ctvh", type=click.Choice(list(CACHE_TYPES)),
-                 help="the helper's V cache type, as llama.cpp's -ctvd sets its draft model's [default: -ctv's]"),
-]
+HEADINGS = {"common": "Options", "eviction": "Eviction options", "sampling": "Sampling options",
+            "rule": "Commit rule options", "detector": "Detector options", "llama.cpp": "llama.cpp options"}
 
 
-def cache_type_options(command):
-    for option in reversed(CACHE_TYPE_OPTIONS):
-        command = option(command)
-    return command
+class GroupedOption(click.Option):
+    """An option shown in a group of its command's help (settings.GROUPS)."""
+
+    def __init__(self, *args, group: str = "common", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.group = group
 
 
-RULE_HELP = (f"how a round's winner is chosen among its survivors, a rule spec (docs/prm.md): {rules_help()} "
-             "[default: the preset's for the dataset, else judge]")
+class SettingsCommand(click.Command):
+    """A command whose options are grouped in its help, the common ones first, as llama.cpp's help shows them; a
+    refused setting (SettingError) is named by this command's own option for it (bench run's --budgets, where it
+    sweeps the budget)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows: dict[str, list] = {group: [] for group in GROUPS}
+        for param in (p for p in self.get_params(ctx) if isinstance(p, click.Option)):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                rows[getattr(param, "group", "common")].append(record)
+        for group, records in rows.items():
+            if records:
+                with formatter.section(HEADINGS[group]):
+                    formatter.write_dl(records)
+
+    def option_name(self, field: str) -> str:
+        setting = BY_FIELD.get(field)
+        flags = {flag for param in self.params for flag in param.opts}
+        if setting is not None and setting.axis in flags and setting.flag not in flags:
+            return setting.axis
+        return command_line_name(field)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except SettingError as exc:
+            raise KVRescueError(exc.worded(self.option_name)) from None
+
+
+def setting_option(setting: Setting):
+    """The command-line option of a setting: unset (None), it takes the preset's recipe, else RescueConfig's default
+    (compose.py)."""
+    help_text = f"{setting.help} [default: {setting.default_text}]"
+    if setting.switch:
+        return click.option(setting.flags[0], setting.param, cls=GroupedOption, group=setting.group, default=None,
+                            help=help_text)
+    return click.option(*setting.flags, setting.param, cls=GroupedOption, group=setting.group, type=setting.kind,
+                        help=help_text)
+
+
+def setting_options(*fields: str):
+    """A decorator adding the options of these settings, in this order."""
+    def decorate(command):
+        for field in reversed(fields):
+            command = setting_option(BY_FIELD[field])(command)
+        return command
+    return decorate
+
+
+RULE_HELP = f"{BY_FIELD['rule'].help} [default: {BY_FIELD['rule'].default_text}]"
 
 FITTED_FOR_HELP = ("DATASET: the preset's rule fitted for that dataset's problems applies (bench run --dataset "
                    "applies its own; a --data file's problems take the preset's default without it), e.g. gsm8k")
@@ -79,17 +116,7 @@ REFUSED_RULE_OPTIONS = [
 ]
 
 
-# Options left unset (None) take the preset's recipe, else RescueConfig's defaults (kvrescue_local/compose.py)
-def detector_options(prefix: str, side: str, tau_entropy, tau_compression, unwatched: str = "") -> list:
-    """--{prefix}tau-entropy and --{prefix}tau-compression: the detector's thresholds for one side's candidates."""
-    return [click.option(f"--{prefix}tau-entropy", type=Finite(0),
-                         help=f"detector: mean entropy (nats) above which a {side} candidate dies{unwatched} "
-                              f"{preset_default(tau_entropy)}"),
-            click.option(f"--{prefix}tau-compression", type=Finite(0),
-                         help=f"detector: zstd ratio below which a {side} candidate dies {preset_default(tau_compression)}")]
-
-
-SEARCH_OPTIONS = [
+MODEL_OPTIONS = [
     click.option("--preset", default="toy", show_default=True,
                  help="model preset, or a folder `kvrescue-local fit` wrote (overridden by --base/--helper/--prm)"),
     click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
@@ -97,42 +124,39 @@ SEARCH_OPTIONS = [
     click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it, or PATH.gguf:HEAD.npz), a hub "
                                "checkpoint owner/repo, or helper[:HEAD.npz]: a head on the helper's own context (the "
                                "preset's helper head, or that one)"),
-    click.option("--prompt-template", type=PromptTemplate(),
-                 help="the chat prompt, with {problem} where the problem goes [default: the model's (preset or GGUF "
-                      "metadata), else Qwen2.5-Math's]"),
-    click.option("--buffer", type=POSITIVE, help=f"entries added before each eviction {preset_default(DEFAULTS.kv.buffer)}"),
-    click.option("--n-sink", type=NON_NEGATIVE, help="first entries always kept [default: the preset's, else the policy's: "
-                                            "streaming 4, the others 0]"),
-    click.option("--window", type=POSITIVE, help=f"recent entries always kept {preset_default(DEFAULTS.kv.window)}"),
-    click.option("--protect-prompt/--evict-prompt", default=None,
-                 help=f"never evict the prompt {preset_default(DEFAULTS.kv.protect_prompt)}"),
-    click.option("--temp", "temperature", type=TEMPERATURE, help=preset_default(DEFAULTS.temperature)),
-    click.option("--top-p", type=TOP_P, help=preset_default(DEFAULTS.top_p)),
-    click.option("--seed", "-s", type=SEED, help=preset_default(DEFAULTS.seed)),
-    click.option("--n-gpu-layers", "-ngl", type=click.IntRange(min=-1), help=preset_default(DEFAULTS.n_gpu_layers)),
-    click.option("--threads", "-t", type=THREADS,
-                 help=f"llama.cpp threads, at most {MAX_THREADS} (0: KVRESCUE_THREADS, else physical cores - 1: one core "
-                      f"stays free for other work) {preset_default(DEFAULTS.n_threads)}"),
-    click.option("--flash-attn", "-fa", type=click.Choice(["on", "off", "auto"]), help=preset_default(DEFAULTS.flash_attn)),
-    *CACHE_TYPE_OPTIONS,
-    click.option("--max-tokens", type=POSITIVE, help=f"trajectory length cap {preset_default(DEFAULTS.max_tokens)}"),
-    click.option("--max-steps", type=POSITIVE, help=preset_default(DEFAULTS.max_steps)),
-    click.option("--max-step-tokens", type=POSITIVE, help=preset_default(DEFAULTS.max_step_tokens)),
-    *REFUSED_RULE_OPTIONS,
-    *detector_options("", "base", DEFAULTS.detector.tau_entropy, DEFAULTS.detector.tau_compression),
-    *detector_options("helper-", "helper", DEFAULTS.helper_tau_entropy, DEFAULTS.helper_tau_compression,
-                      " (0 and 0: the helper is not watched)"),
-    click.option("--rpc", help="host:port[,host:port...]: offload the models' layers to these `kvrescue-local "
-                               "rpc-server`s (every layer unless -ngl says how many; needs a build with --rpc)"),
-    click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True,
+    click.option("--rpc", cls=GroupedOption, group="llama.cpp",
+                 help="host:port[,host:port...]: offload the models' layers to these `kvrescue-local rpc-server`s "
+                      "(every layer unless -ngl says how many; needs a build with --rpc)"),
+    click.option("--prm-ctx", type=NON_NEGATIVE, default=0, show_default=True, cls=GroupedOption, group="llama.cpp",
                  help="PRM context in its own tokens (0: sized from the problem; it grows as the trajectory does)"),
+    *REFUSED_RULE_OPTIONS,
 ]
 
 
-def search_options(command):
-    for option in reversed(SEARCH_OPTIONS):
-        command = option(command)
-    return command
+def search_options(sweep: bool = False):
+    """A decorator adding the model options, one option per setting (settings.SETTINGS) and the refused options of
+    the rules before they were specs; with `sweep` (bench run) not those of the settings its axes sweep."""
+    fields = [setting.field for setting in SETTINGS if not (sweep and setting.axis)]
+
+    def decorate(command):
+        command = setting_options(*fields)(command)
+        for option in reversed(MODEL_OPTIONS):
+            command = option(command)
+        return command
+    return decorate
+
+
+def settings_reference() -> str:
+    """docs/usage.md's table of the settings, made from the schema (tests/test_docs.py keeps the doc equal to it)."""
+    lines = ["| option | request field | values | default | what |", "|---|---|---|---|---|"]
+    for group in GROUPS:
+        for setting in (s for s in SETTINGS if s.group == group):
+            flags = " ".join(f"`{flag}`" for flag in setting.flags)
+            request = f"`{setting.request}`" if setting.request else "(not per request)"
+            what = setting.help.replace("|", "\\|")
+            lines.append(f"| {flags} | {request} | {range_text(setting)} | {setting.default_text} "
+                         f"| {group}: {what} |")
+    return "\n".join(lines) + "\n"
 
 
 UNITS = {"k": 1024, "m": 1024 ** 2, "g": 1024 ** 3, "t": 1024 ** 4}

@@ -18,8 +18,8 @@ from ..errors import KVRescueError
 from ..files import check_input_file, write_output
 from ..presets import HELPER
 from ..rescue import Mode
-from ..settings import POSITIVE, SEED, PolicySpecs
-from .common import note
+from ..settings import POSITIVE
+from .common import SettingsCommand, note, setting_options
 from .options import IntList
 
 ONE_THREAD = 1  # each sweep runs llama.cpp on one thread: more processes share the cores without competing
@@ -48,7 +48,7 @@ def duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if minutes < 2 else f"{minutes:.0f} min" if minutes < 120 else f"{minutes / 60:.1f} h"
 
 
-@click.command("fit")
+@click.command("fit", cls=SettingsCommand)
 @click.option("--base", help="the base model (evicted): a GGUF path")
 @click.option("--helper", help="the helper model (full context): a GGUF path")
 @click.option("--prm", help="a judge of the pair's own: PATH.gguf[:HEAD.npz] (a PRM) or helper:HEAD.npz (a head "
@@ -60,10 +60,7 @@ def duration(seconds: float) -> str:
 @click.option("--limit", type=POSITIVE, default=100, show_default=True, help="first LIMIT training problems")
 @click.option("--budgets", type=IntList(), default="64,128", show_default=True,
               help="the base KV budgets the rule is fitted for (comma-separated)")
-@click.option("--max-tokens", type=POSITIVE, help="trajectory length cap [default: the preset's, else 2048]")
-@click.option("--policy", type=PolicySpecs(several=False),
-              help="eviction policy spec [default: the preset's, else rkv]")
-@click.option("--seed", "-s", type=SEED, help="[default: 0]")
+@setting_options("max_tokens", "kv.policy", "seed")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="the preset folder written (and its rows/, which a stopped run resumes from)")
 @click.option("--rows", type=click.Path(dir_okay=False, path_type=Path), multiple=True,

@@ -1,25 +1,18 @@
-"""The command line's one validation layer: every option value is checked as click parses it (a click type
+"""The kinds of value only the command line takes: every option value is checked as click parses it (a click type
 per kind of value), so a bad value ends in one `Error:` line before any model loads, and no value can reach
-llama.cpp in a form it asserts on (the kinds a served request's fields share live in settings.py). Sizes that depend on the run (the PRM's context against its batch, a budget
-against the base model's trained context) are checked as soon as what they depend on is known, before any
-context is made."""
+llama.cpp in a form it asserts on (the settings' kinds, which a served request's fields share, live in
+settings.py). Sizes that depend on the run (the PRM's context against its batch, a budget against the base model's
+trained context) are checked as soon as what they depend on is known, before any context is made."""
 
 from __future__ import annotations
-
-import os
-import string
 
 import click
 
 from ..errors import KVRescueError
-from ..files import check_encodable
 from ..rescue import RescueConfig
 from ..runtime import Model
 from ..runtime.context import CACHE_TYPES, check_cache_blocks
 
-MAX_THREADS = os.cpu_count() or 1  # more llama.cpp threads than CPUs spin against each other: a run stalls
-THREADS = click.IntRange(0, MAX_THREADS)
-NON_NEGATIVE = click.IntRange(min=0)
 PORT = click.IntRange(1, 65535)
 
 
@@ -99,31 +92,6 @@ class CacheTypeList(click.ParamType):
         if repeated:
             self.fail(f"{', '.join(repeated)} is given more than once: name each cache type once", param, ctx)
         return labels
-
-
-class PromptTemplate(click.ParamType):
-    """A prompt template: {problem} where the problem goes and no other field ({{ and }} for literal braces)."""
-
-    name = "template"
-
-    def convert(self, value, param, ctx) -> str:
-        try:  # it is written into every record: text that UTF-8 cannot encode is refused here, not after solving
-            check_encodable(value, repr(value), "pass the template as UTF-8 text")
-        except KVRescueError as exc:
-            self.fail(str(exc), param, ctx)
-        try:
-            fields = [(field, spec, conversion) for _, field, spec, conversion in string.Formatter().parse(value)
-                      if field is not None]
-        except ValueError as exc:
-            self.fail(f"{value!r} is not a template ({exc}): write {{{{ and }}}} for a literal brace", param, ctx)
-        others = sorted({"{" + field + "}" for field, spec, conversion in fields
-                         if (field, spec, conversion) != ("problem", "", None)})
-        if others:
-            self.fail(f"{value!r} holds {', '.join(others)}: the only field is {{problem}} (write {{{{ and }}}} for a "
-                      "literal brace)", param, ctx)
-        if not fields:
-            self.fail(f"{value!r} has no field: it must contain {{problem}} where the problem goes", param, ctx)
-        return value
 
 
 def check_prm_ctx(config: RescueConfig, prm_ctx: int) -> None:

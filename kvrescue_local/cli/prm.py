@@ -16,9 +16,9 @@ from ..files import check_appendable, check_input_file, check_not_read, file_has
 from ..prm import FORMATS
 from ..rescue import MODES
 from ..rescue.judge import HelperJudge
-from ..settings import POSITIVE, SEED
+from ..settings import POSITIVE, SEED, THREADS
 from .common import name_list, note
-from .options import THREADS, IntList
+from .options import IntList
 
 
 @click.group()

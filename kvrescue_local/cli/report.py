@@ -8,7 +8,7 @@ import click
 
 from ..errors import KVRescueError
 from ..files import check_not_read, check_writable
-from .common import DEFAULTS, cache_type_options, parse_size
+from .common import DEFAULTS, parse_size, setting_options
 
 
 @click.command("report")
@@ -67,7 +67,7 @@ def report(results: tuple[Path, ...], markdown: bool, plots_dir: Path | None, tr
 @click.option("--helper", default="1.5b", show_default=True, help="helper model: 1.5b (Qwen2.5-Math) or a GGUF path")
 @click.option("--budget", type=int, default=64, show_default=True, help="base KV budget (entries kept)")
 @click.option("--buffer", type=int, default=128, show_default=True, help="entries added before each eviction")
-@cache_type_options
+@setting_options("cache_type_k", "cache_type_v", "helper_cache_type_k", "helper_cache_type_v")
 @click.option("--contexts", default="1k,2k,4k,8k,16k,32k", show_default=True, help="context lengths (tokens)")
 @click.option("--markdown", is_flag=True, help="a GitHub markdown table")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="also write the figure here")

@@ -9,15 +9,14 @@ import click
 
 from .. import interrupts
 from ..compose import model_facts, open_models, select_models
-from ..errors import KVRescueError
-from ..eviction import POLICY_HELP
+from ..errors import KVRescueError, SettingError
 from ..prm import PRMParams
 from ..rescue import Mode, RescueConfig
 from ..rescue.limits import (RunModels, available_memory, check_concurrency_fits, check_context_sizes, check_kv_sizes,
                              check_prompt_room, models_kv_memory, prompt_room)
-from ..settings import MODE, POLICY, POSITIVE, RULE
-from .common import DEFAULTS, RULE_HELP, note, parse_size, preset_default, search_options
-from .options import NON_NEGATIVE, PORT, check_cache_fit, check_prm_ctx, comma_items
+from ..settings import NON_NEGATIVE, POSITIVE, command_line_name
+from .common import DEFAULTS, SettingsCommand, note, parse_size, search_options
+from .options import PORT, check_cache_fit, check_prm_ctx, comma_items
 
 DEFAULT_PROMPT_TOKENS = 1024
 API_KEY_VARIABLE = "KVRESCUE_API_KEY"
@@ -70,7 +69,7 @@ def start_sizes(options: dict, config: RescueConfig, facts: RunModels, memory: i
     for model in opened:  # first: the PRM's context below is sized from the prompt cells
         check_prompt_room(config, model, prompt_tokens, "--prompt-tokens reserves" if given else "a prompt takes at least",
                           lambda room: f"lower --prompt-tokens to at most {room:,}" if room > 0 else
-                          f"lower --max-step-tokens to below {model.n_ctx_train:,}")
+                          f"lower {{max_step_tokens}} to below {model.n_ctx_train:,}")
     check_context_sizes(config, facts, memory, memory_option, prm_ctx=options["prm_ctx"], problem_bytes=prompt_tokens)
     if given is None and prompt_tokens < DEFAULT_PROMPT_TOKENS:
         note(f"--prompt-tokens {prompt_tokens}: the most the models' trained contexts hold beside one step")
@@ -105,7 +104,11 @@ def build_served(options: dict):
     if config.kv.budget > max_budget:
         raise KVRescueError(f"--budget {config.kv.budget} is over --max-budget {max_budget}, the most a request may "
                             "ask: lower --budget or raise --max-budget")
-    check_kv_sizes([config.with_overrides({"kv": {"budget": max_budget}})], models.base, 0, "--max-budget")
+    try:  # the largest budget a request may ask must fit the base as the server's own does
+        check_kv_sizes([config.with_overrides({"kv": {"budget": max_budget}})], models.base, 0)
+    except SettingError as exc:
+        raise KVRescueError(exc.worded(lambda field: "--max-budget" if field == "kv.budget" else
+                                       command_line_name(field))) from None
 
     def kv_need(request_config, slots: int) -> int:
         return models_kv_memory(request_config, slots, models.base, models.helper, models.prm, prompt_tokens)
@@ -121,7 +124,7 @@ def build_served(options: dict):
                   api_key=options["api_key"], allowed_origins=tuple(comma_items(options["allowed_origins"])))
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=PORT)
 @click.option("--concurrency", "-k", default=8, show_default=True, type=POSITIVE,
@@ -131,14 +134,8 @@ def build_served(options: dict):
 @click.option("--prompt-tokens", type=POSITIVE,
               help="cells reserved for a request's prompt (template included); a longer prompt gets a 400 [default: "
                    f"{DEFAULT_PROMPT_TOKENS}, or what the models' trained contexts hold beside one step if less]")
-@click.option("--mode", type=MODE, help=f"a request's default {preset_default(DEFAULTS.mode)}")
-@click.option("-n", "--n", "n", type=POSITIVE,
-              help=f"candidates per model per round, the most a request may ask for {preset_default(DEFAULTS.n)}")
-@click.option("--budget", type=POSITIVE, help=f"base KV budget {preset_default(DEFAULTS.kv.budget)}")
 @click.option("--max-budget", type=POSITIVE,
               help="the most budget a request may ask [default: the base's trained context]")
-@click.option("--policy", type=POLICY, help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
-@click.option("--rule", type=RULE, help=f"a request's default: {RULE_HELP}")
 @click.option("--memory", help="memory the KV caches may take, e.g. 4G: a request whose settings need more gets a 400 "
                                "[default: half of the available memory]")
 @click.option("--max-request-bytes", default="1M", show_default=True,
@@ -147,7 +144,7 @@ def build_served(options: dict):
               help="answer only requests with `Authorization: Bearer KEY` (401 otherwise) [default: no key]")
 @click.option("--allowed-origins", default="*", show_default=True,
               help="comma-separated origins browsers may call the API from (CORS); '' for none")
-@search_options
+@search_options()
 def serve(host, port, **options) -> None:
     """Serve the engine over an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics. A request's rescue settings (mode, n, budget, policy, rule) come as extra body fields;

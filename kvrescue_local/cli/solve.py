@@ -8,12 +8,10 @@ from pathlib import Path
 import click
 
 from ..compose import fit_defaults, model_facts, open_models, rule_needs_judge, rule_note, select_models
-from ..eviction import POLICY_HELP
 from ..files import check_writable, read_utf8
-from ..rescue import MODES, Mode, Rescue, Step, longest_prompt
+from ..rescue import Mode, Rescue, Step, longest_prompt
 from ..rescue.limits import available_memory, check_context_sizes, check_kv_sizes, check_problem, check_prompts_fit
-from ..settings import POSITIVE, RULE, PolicySpecs
-from .common import DEFAULTS, FITTED_FOR_HELP, RULE_HELP, note, preset_default, search_options, write_json
+from .common import DEFAULTS, FITTED_FOR_HELP, GroupedOption, SettingsCommand, note, search_options, write_json
 from .options import check_cache_fit, check_prm_ctx
 
 
@@ -29,17 +27,12 @@ def show(step: Step) -> None:
     click.echo(f"[{step.round + 1:3d}] {step.source:6s} {score} {killed}{set_aside}{one_line(step.text)}")
 
 
-@click.command()
+@click.command(cls=SettingsCommand)
 @click.argument("problem", required=False)
 @click.option("--file", "problem_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="read the problem from a file")
-@click.option("--mode", type=click.Choice(MODES), help=preset_default(DEFAULTS.mode))
-@click.option("-n", "--n", "n", type=POSITIVE, help=f"candidates per model per round {preset_default(DEFAULTS.n)}")
-@click.option("--budget", type=POSITIVE, help=f"base KV budget (entries kept) {preset_default(DEFAULTS.kv.budget)}")
-@click.option("--policy", type=PolicySpecs(several=False), help=f"{POLICY_HELP} {preset_default(DEFAULTS.kv.policy)}")
-@click.option("--rule", type=RULE, help=RULE_HELP)
-@click.option("--fitted-for", help=FITTED_FOR_HELP)
-@search_options
+@search_options()
+@click.option("--fitted-for", cls=GroupedOption, group="rule", help=FITTED_FOR_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="write the trajectory record here")
 def solve(problem, problem_file, json_path, **options) -> None:
     """Solve one PROBLEM step by step, showing each committed step as it lands."""
@@ -66,7 +59,7 @@ def solve(problem, problem_file, json_path, **options) -> None:
                                  before_prm=lambda config, models: check_prompts_fit(config, models, {where: text}))
     check_cache_fit([config], models.base, models.helper)
     if models.base is not None:
-        check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]), "--budget")
+        check_kv_sizes([config], models.base, longest_prompt(config, [models.base], [text]))
     note(rule_note(selection, config.rule, options["rule"], options["fitted_for"], None))  # once all is checked
     engine = Rescue(config, models.base, models.helper, models.prm,
                     prompt_tokens_max=longest_prompt(config, [models.base, models.helper], [text]))

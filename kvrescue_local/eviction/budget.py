@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..runtime import Context
 from ..runtime.attention import (cell_scores, copy_scores, enable_scores, key_rows, n_head_kv, observe_scores,
                                  reset_scores, span_scores)
@@ -41,15 +41,17 @@ class KVBudget:
     def __post_init__(self) -> None:
         make_policy(self.policy)
         if self.n_sink is not None and self.n_sink < 0:
-            raise KVRescueError(f"--n-sink {self.n_sink} is negative: keep 0 or more first entries")
+            raise SettingError(f"{{kv.n_sink}} {self.n_sink} is negative: keep 0 or more first entries", "kv.n_sink")
         if self.window < 1:
-            raise KVRescueError(f"--window {self.window} keeps no recent entry: give at least 1")
+            raise SettingError(f"{{kv.window}} {self.window} keeps no recent entry: give at least 1", "kv.window")
         if self.buffer < self.window:
-            raise KVRescueError(f"--window {self.window} exceeds --buffer {self.buffer}: the observation window must "
-                                f"fit between evictions; lower --window to at most {self.buffer} or raise --buffer")
+            raise SettingError(f"{{kv.window}} {self.window} exceeds {{kv.buffer}} {self.buffer}: the observation "
+                               f"window must fit between evictions; lower {{kv.window}} to at most {self.buffer} or "
+                               "raise {kv.buffer}", "kv.window", "kv.buffer")
         if self.budget <= self.sinks + self.window:
-            raise KVRescueError(f"KV budget {self.budget} leaves no room for the policy: it must exceed sinks "
-                                f"({self.sinks}) + window ({self.window}); raise --budget or lower --window")
+            raise SettingError(f"{{kv.budget}} {self.budget} leaves no room for the policy: it must exceed sinks "
+                               f"({self.sinks}) + window ({self.window}); raise {{kv.budget}} to at least "
+                               f"{self.sinks + self.window + 1} or lower {{kv.window}}", "kv.budget", "kv.window")
 
     @property
     def sinks(self) -> int:

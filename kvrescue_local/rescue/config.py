@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from ..detect import DetectorParams
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..eviction import KVBudget
 from ..prm.formats import QWEN_MATH_CHAT
 from ..runtime import DEFAULT_FLASH_ATTN
@@ -65,11 +65,13 @@ class RescueConfig:
         if not isinstance(self.rule, Rule):
             object.__setattr__(self, "rule", parse_rule(self.rule, "rule"))
         if self.n < 1:
-            raise KVRescueError(f"N must be at least 1 (got {self.n}): it is the number of candidates per model per round")
+            raise SettingError(f"{{n}} must be at least 1 (got {self.n}): it is the number of candidates per model per "
+                               "round", "n")
         if self.candidates_per_round >= LLAMA_MAX_SEQ:
-            raise KVRescueError(f"N={self.n} does not fit: a llama.cpp context holds {LLAMA_MAX_SEQ} sequences, one "
-                                f"for the trajectory and {self.mode.sides} x N for the candidates (the PRM scores them all at "
-                                f"once); the largest N in {self.mode} mode is {(LLAMA_MAX_SEQ - 1) // self.mode.sides}")
+            raise SettingError(f"{{n}} {self.n} does not fit: a llama.cpp context holds {LLAMA_MAX_SEQ} sequences, one "
+                               f"for the trajectory and {self.mode.sides} x N for the candidates (the PRM scores them all "
+                               f"at once); the largest N in {self.mode} mode is {(LLAMA_MAX_SEQ - 1) // self.mode.sides}",
+                               "n")
         if self.max_step_tokens < 1 or self.max_tokens < 1 or self.max_steps < 1:
             raise KVRescueError("max_tokens, max_steps and max_step_tokens must be positive")
         if (self.helper_tau_entropy, self.helper_tau_compression) != (0.0, 0.0):  # used in kvrescue mode only

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import gguf_header
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..eviction import make_policy
 from ..files import check_encodable
 from ..prm import PRM
@@ -40,13 +40,13 @@ def prompt_room(config: RescueConfig, model: Model | ModelFacts) -> int:
 def check_prompt_room(config: RescueConfig, model: Model | ModelFacts, tokens: int, what: str,
                       fix: Callable[[int], str], count: str | None = None) -> None:
     """`what` (a prompt of `tokens` tokens, or the cells reserved for one) within prompt_room; `fix(room)` says what
-    to do about it; `count` words the tokens where they are a bound, not a count. solve's and bench's prompts,
+    to do about it (naming settings as errors.SettingError does); `count` words the tokens where they are a bound, not a count. solve's and bench's prompts,
     `serve --prompt-tokens` and each request's prompt share it."""
     room = prompt_room(config, model)
     if tokens > room:
-        raise KVRescueError(f"{what} {count or f'{tokens:,} tokens'} with the prompt template, but {model.name} was trained on "
-                            f"{model.n_ctx_train:,} and one step of --max-step-tokens {config.max_step_tokens} must "
-                            f"fit after it: {fix(room)}")
+        raise SettingError(f"{what} {count or f'{tokens:,} tokens'} with the prompt template, but {model.name} was "
+                           f"trained on {model.n_ctx_train:,} and one step of {{max_step_tokens}} "
+                           f"{config.max_step_tokens} must fit after it: {fix(room)}", "max_step_tokens")
 
 
 def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems: dict[str, str]) -> None:
@@ -69,7 +69,7 @@ def check_prompts_fit(config: RescueConfig, models: list[Model | None], problems
             def fix(room: int) -> str:
                 if room <= len(model.tokenize(config.prompt.format(problem=""))):
                     # not even the template fits beside one step: it is the step cap that leaves no room
-                    return f"lower --max-step-tokens to at most {max(1, model.n_ctx_train - tokens):,}"
+                    return f"lower {{max_step_tokens}} to at most {max(1, model.n_ctx_train - tokens):,}"
                 return (f"shorten it (to {about} {len(problem) * room // tokens:,} characters) or use a model with a "
                         "longer context")
 
@@ -195,33 +195,33 @@ def size_text(size: float) -> str:
     return f"{size:,.0f} B"
 
 
-def check_budget_trained(config: RescueConfig, base: Model | ModelFacts, budget_option: str) -> None:
+def check_budget_trained(config: RescueConfig, base: Model | ModelFacts) -> None:
     """A budget or buffer beyond the base's trained context never evicts, yet would allocate cells for all of it
     (or stall making them)."""
-    for option, value in ((budget_option, config.kv.budget), ("--buffer", config.kv.buffer)):
+    for field, value in (("kv.budget", config.kv.budget), ("kv.buffer", config.kv.buffer)):
         if value > base.n_ctx_train:
-            raise KVRescueError(f"{option} {value} exceeds the {base.n_ctx_train:,} positions {base.name} was "
-                                f"trained on, so it never evicts: lower {option} to at most {base.n_ctx_train:,} "
-                                "(or run --mode full for no eviction)")
+            raise SettingError(f"{{{field}}} {value} exceeds the {base.n_ctx_train:,} positions {base.name} was "
+                               f"trained on, so it never evicts: lower {{{field}}} to at most {base.n_ctx_train:,} "
+                               "(or run mode full for no eviction)", field)
 
 
-def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_tokens: int, budget_option: str) -> None:
+def check_kv_sizes(configs: list[RescueConfig], base: Model | None, prompt_tokens: int) -> None:
     """After the base opens, before its contexts are made: a budget or buffer beyond its trained context never
     evicts (checked from the GGUF header before, check_context_sizes, and here for each base a sweep
     opens); a protected prompt that fills the budget leaves the policy nothing to choose among."""
     for config in (c for c in configs if c.evicts and base is not None):
-        check_budget_trained(config, base, budget_option)
+        check_budget_trained(config, base)
         kv = config.kv
         needed = prompt_tokens + kv.window
         if kv.protect_prompt and needed > kv.budget:
-            raise KVRescueError(f"--protect-prompt keeps the prompt's {prompt_tokens} tokens, and with the recent "
-                                f"window of {kv.window} they do not fit in {budget_option} {kv.budget}: raise "
-                                f"{budget_option} to at least {needed}, or pass --evict-prompt")
+            raise SettingError(f"{{kv.protect_prompt}} keeps the prompt's {prompt_tokens} tokens, and with the recent "
+                               f"window of {kv.window} they do not fit in {{kv.budget}} {kv.budget}: raise "
+                               f"{{kv.budget}} to at least {needed}, or evict the prompt", "kv.budget",
+                               "kv.protect_prompt")
 
 
 def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
-                        memory_option: str = "the memory available", prm_ctx: int = 0, problem_bytes: int = 0,
-                        budget_option: str = "--budget") -> None:
+                        memory_option: str = "the memory available", prm_ctx: int = 0, problem_bytes: int = 0) -> None:
     """Before any model loads, so before llama.cpp allocates anything: every context one problem needs, against
     the trained context of its model and against `memory` bytes of KV caches (`memory_option` names where that
     number came from). A trajectory (--max-tokens) or a step (--max-step-tokens) longer than the base's or the
@@ -233,15 +233,15 @@ def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
     A plain function of the settings and the models' facts (ModelFacts.read of each GGUF), so that the server
     checks a request's settings as the command line checks its options."""
     if config.evicts and models.base is not None:
-        check_budget_trained(config, models.base, budget_option)
+        check_budget_trained(config, models.base)
     for model, used in ((models.base, config.uses_base), (models.helper, config.uses_helper)):
         if model is None or not used:
             continue
-        for option, value in (("--max-tokens", config.max_tokens), ("--max-step-tokens", config.max_step_tokens)):
+        for field, value in (("max_tokens", config.max_tokens), ("max_step_tokens", config.max_step_tokens)):
             if value > model.n_ctx_train:
-                raise KVRescueError(f"{option} {value} exceeds the {model.n_ctx_train:,} positions {model.name} was "
-                                    f"trained on, beyond which it answers garbage: lower {option} to at most "
-                                    f"{model.n_ctx_train:,}")
+                raise SettingError(f"{{{field}}} {value} exceeds the {model.n_ctx_train:,} positions {model.name} was "
+                                   f"trained on, beyond which it answers garbage: lower {{{field}}} to at most "
+                                   f"{model.n_ctx_train:,}", field)
     if models.prm is not None and prm_ctx > models.prm.n_ctx_train:
         raise KVRescueError(f"--prm-ctx {prm_ctx} exceeds the {models.prm.n_ctx_train:,} positions {models.prm.name} "
                             f"was trained on: lower --prm-ctx to at most {models.prm.n_ctx_train:,}, or pass 0 to size "
@@ -251,14 +251,15 @@ def check_context_sizes(config: RescueConfig, models: RunModels, memory: int,
     if need > memory:
         sized = []
         if config.uses_base and models.base is not None:
-            sized.append(f"the evicted base by {budget_option} {config.kv.budget} and --buffer {config.kv.buffer}"
-                         if config.evicts else f"the base by --max-tokens {config.max_tokens}")
+            sized.append(f"the evicted base by {{kv.budget}} {config.kv.budget} and {{kv.buffer}} {config.kv.buffer}"
+                         if config.evicts else f"the base by {{max_tokens}} {config.max_tokens}")
         if config.uses_helper and models.helper is not None:
-            sized.append(f"the helper by --max-tokens {config.max_tokens}, -n {config.n} and --max-step-tokens "
+            sized.append(f"the helper by {{max_tokens}} {config.max_tokens}, {{n}} {config.n} and {{max_step_tokens}} "
                          f"{config.max_step_tokens}")
         if models.prm is not None and config.candidates_per_round > 1:
             sized.append(f"the PRM by --prm-ctx {prm_ctx}" if prm_ctx else
                          f"the PRM by the longest problem's {problem_bytes:,} bytes (--prm-ctx sizes it instead) and "
-                         f"--max-tokens {config.max_tokens}")
-        raise KVRescueError(f"the KV caches of one problem take {size_text(need)}, more than the {size_text(memory)} "
-                            f"of {memory_option}; they are sized: {'; '.join(sized)}: lower those, or raise the memory")
+                         f"{{max_tokens}} {config.max_tokens}")
+        raise SettingError(f"the KV caches of one problem take {size_text(need)}, more than the {size_text(memory)} "
+                           f"of {memory_option}; they are sized: {'; '.join(sized)}: lower those, or raise the memory",
+                           "max_tokens", "kv.budget", "kv.buffer", "n", "max_step_tokens")

@@ -24,10 +24,11 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..rescue import RescueConfig
 from ..rescue.limits import GIB, check_kv_sizes, check_problem, check_prompt_room
 from ..runtime import Model
+from ..settings import BY_FIELD, SETTINGS, config_overrides, request_name
 from .access import ApiKey, BodyLimit, RequestError, error_body, unauthorized
 from .engine import Engine, Job, QueueFull, ShuttingDown
 from .schemas import EXTENSION, ChatRequest, CompletionRequest, RescueFields
@@ -36,6 +37,8 @@ RETRY_AFTER_SECONDS = 1
 SHUTDOWN_GRACE_SECONDS = 1.0  # what an open stream has to send its last events once the server is stopping
 GRACEFUL_SHUTDOWN_SECONDS = 2  # uvicorn cancels what still holds a connection after this
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its response; nobody receives it
+UNKNOWN_FIELD = ("this server does not know this field: leave it out (docs/serving.md lists the fields it reads and "
+                 "those it accepts and ignores)")
 ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health (/v1/health) and /metrics"
 HEALTH_PATHS = ("/health", "/v1/health")  # a liveness probe needs no key
 
@@ -79,20 +82,22 @@ class Served:
                                     f"{', '.join(self.model_names)})", param="model", code="model_not_found")
 
     def request_config(self, body: RescueFields) -> RescueConfig:
-        asked = (("n", body.n, self.config.n, "-n"), ("budget", body.budget, self.limits.max_budget, "--max-budget"),
-                 ("max_tokens", body.token_limit, self.config.max_tokens, "--max-tokens"))
-        for field, value, most, option in asked:
+        # the server's limits, named as a request's message names the server's settings (request_name)
+        asked = (("n", body.n, self.config.n, "n"), ("budget", body.budget, self.limits.max_budget, "max-budget"),
+                 ("max_tokens", body.token_limit, self.config.max_tokens, "max-tokens"))
+        for field, value, most, limit in asked:
             if value is not None and value > most:
-                raise RequestError(400, f"{field}={value} is over this server's {option} {most}, the most a request "
-                                        f"may ask: ask for at most {most}, or restart the server with a larger {option}",
+                raise RequestError(400, f"{field}={value} is over this server's {limit} {most}, the most a request may "
+                                        f"ask: ask for at most {most}, or restart the server with a larger {limit}",
                                    param=field)
-        kv = {k: v for k, v in (("budget", body.budget), ("policy", body.policy)) if v is not None}
-        fields = {k: v for k, v in (("mode", body.mode), ("n", body.n), ("rule", body.rule),
-                                    ("temperature", body.temperature), ("top_p", body.top_p),
-                                    ("seed", body.seed)) if v is not None}
+        # a request's max_tokens ends its job (Job's limit) in contexts the server's max_tokens sizes
+        given = {setting.param: getattr(body, setting.request) for setting in SETTINGS
+                 if setting.request and setting.field != "max_tokens"}
         try:
-            config = self.config.with_overrides({**fields, **({"kv": kv} if kv else {})})
-        except KVRescueError as exc:
+            config = self.config.with_overrides(config_overrides(given))
+        except SettingError as exc:
+            raise setting_refused(exc) from None
+        except KVRescueError as exc:  # settings that do not go together
             raise RequestError(400, str(exc)) from None
         loaded = {"base": self.engine.models.base, "helper": self.engine.models.helper}
         missing = [side for side in ("base", "helper") if getattr(config, f"uses_{side}") and loaded[side] is None]
@@ -105,8 +110,8 @@ class Served:
         if need > self.limits.memory:
             raise RequestError(400, f"these settings' KV caches take {need / GIB:.2f} GiB for the server's "
                                     f"{self.engine.concurrency} requests at once, over the {self.limits.memory / GIB:.2f}"
-                                    " GiB it may use (--memory): ask for a smaller budget or n, or restart the server "
-                                    "with a larger --memory")
+                                    " GiB it may use (its memory setting): ask for a smaller budget or n, or restart the "
+                                    "server with a larger memory")
         return config
 
     def job(self, body: ChatRequest | CompletionRequest, loop: asyncio.AbstractEventLoop) -> Job:
@@ -127,18 +132,26 @@ class Served:
         try:  # solve's check first: past a model's trained context no restart of the server can serve the prompt
             for model, tokens in counts:
                 check_prompt_room(config, model, tokens, "the prompt is", lambda room: "shorten it")
-        except KVRescueError as exc:
-            raise RequestError(400, str(exc), param=where, code="context_length_exceeded") from None
+        except SettingError as exc:
+            raise RequestError(400, exc.worded(request_name), param=where, code="context_length_exceeded") from None
         prompt_tokens = max(tokens for _, tokens in counts)
         if prompt_tokens > self.engine.prompt_tokens_max:
             raise RequestError(400, f"the prompt is {prompt_tokens} tokens with the template, over the "
                                     f"{self.engine.prompt_tokens_max} this server reserves: shorten it or restart the "
-                                    "server with a larger --prompt-tokens", param=where, code="context_length_exceeded")
+                                    "server with a larger prompt-tokens", param=where, code="context_length_exceeded")
         try:  # a budget that cannot hold a protected prompt would fail in the middle of an eviction
-            check_kv_sizes([config], self.engine.models.base, prompt_tokens, "budget")
-        except KVRescueError as exc:
-            raise RequestError(400, str(exc), param="budget") from None
+            check_kv_sizes([config], self.engine.models.base, prompt_tokens)
+        except SettingError as exc:
+            raise setting_refused(exc) from None
         return Job(problem, config, body.token_limit or config.max_tokens, body.stops(), prompt_tokens, loop)
+
+
+def setting_refused(exc: SettingError) -> RequestError:
+    """A refused setting as a 400 in a request's words: its field (`budget`, not --budget) as the param, a setting
+    of the server's alone named as such."""
+    param = next((BY_FIELD[field].request for field in exc.fields if field in BY_FIELD and BY_FIELD[field].request),
+                 None)
+    return RequestError(400, exc.worded(request_name), param=param)
 
 
 class Server(uvicorn.Server):
@@ -197,7 +210,8 @@ def create_app(served: Served) -> FastAPI:
             message, where = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})", ""
         else:
             where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            reason = first.get("msg", "invalid request").removeprefix("Value error, ")
+            reason = (UNKNOWN_FIELD if first.get("type") == "extra_forbidden" else
+                      first.get("msg", "invalid request").removeprefix("Value error, "))
             message = f"{where + ': ' if where else ''}{reason}"
         return refusal(request, 400, message, param=where or None)
 

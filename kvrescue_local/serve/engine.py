@@ -25,10 +25,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..errors import KVRescueError
+from ..errors import KVRescueError, SettingError
 from ..prm import PRM
 from ..rescue import Models, Rescue, RescueConfig, Step, Trajectory
 from ..rescue.limits import models_kv_memory
+from ..settings import request_name
 from .metrics import Metrics
 
 LENGTH_STOPS = ("max_tokens", "max_steps")  # the `kvrescue.stop`s whose finish_reason is "length"
@@ -215,8 +216,9 @@ class Engine:
                     return
                 try:
                     configuration = self.open(key)
-                except KVRescueError as exc:
-                    self.refuse(key, f"the engine cannot run these settings: {exc}")
+                except KVRescueError as exc:  # a setting named as a request names it
+                    said = exc.worded(request_name) if isinstance(exc, SettingError) else str(exc)
+                    self.refuse(key, f"the engine cannot run these settings: {said}")
                     continue
             self.configurations[key] = configuration  # the most recently used last
             with self.cond:

@@ -1,24 +1,31 @@
 """The request bodies of /v1/chat/completions and /v1/completions (OpenAI's fields, plus the rescue
 settings as extension fields) and the chunks and responses sent back.
 
-A field that an option of `serve` gives the default of is checked by that option's own click type
-(settings.py), so a request cannot ask what the command line refuses; the limits of the running server
-(-n, --max-budget, --max-tokens, --memory) are Served's checks (app.py). docs/serving.md lists every OpenAI
-field as supported, ignored or refused."""
+The rescue settings a request may set are made from the settings schema (settings.SETTINGS: those with a request
+name), each checked by its setting's own kind, so a request cannot ask what the command line refuses; the limits of
+the running server (-n, --max-budget, --max-tokens, --memory) are Served's checks (app.py). A JSON value of the wrong
+type is refused, not coerced (pydantic's strict mode: an integer is a number too), and so is a field this server does
+not know: docs/serving.md lists every OpenAI field as supported, ignored (IGNORED: accepted, without effect) or
+refused."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
 import click
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..rescue.rules import CHOICE_SPECS
-from ..settings import MODE, POLICY, POSITIVE, RULE, SEED, TEMPERATURE, TOP_P, checked
+from ..settings import BY_FIELD, SETTINGS, checked
 
 EXTENSION = "kvrescue"  # the key of the extension field on chunks and choices: standard clients ignore it
 MAX_MESSAGES = 1024  # the problem is the last user message; a longer chat is no request this server answers
 MAX_STOPS = 4  # OpenAI's limit on stop sequences
+# OpenAI's fields accepted without effect (docs/serving.md): sampling penalties (candidates sample with the run's
+# temperature and top-p, as solve does) and what concerns OpenAI's own service
+IGNORED = ("frequency_penalty", "presence_penalty", "logit_bias", "metadata", "store", "user", "safety_identifier",
+           "prompt_cache_key", "service_tier", "reasoning_effort", "verbosity", "parallel_tool_calls",
+           "stream_options")
 
 
 def option(kind: click.ParamType) -> AfterValidator:
@@ -45,26 +52,16 @@ def refuse_choice(value):
     return value
 
 
-class RescueFields(BaseModel):
-    """What every completion request may set; unknown fields are ignored, as OpenAI's own server does with
-    fields it does not use (user, metadata, ...)."""
+class OpenAIFields(BaseModel):
+    """OpenAI's fields that every completion request may set; a field of another name, or a value of another JSON
+    type, is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    max_tokens: Annotated[int | None, option(POSITIVE)] = None
-    temperature: Annotated[float | None, option(TEMPERATURE)] = None
-    top_p: Annotated[float | None, option(TOP_P)] = None
-    seed: Annotated[int | None, option(SEED)] = None
     stop: Union[str, list[str], None] = None
     stream: bool = False
     logprobs: Annotated[Any, unsupported(False, 0)] = None
-    # the rescue settings: defaults are the server's
-    mode: Annotated[str | None, option(MODE)] = None
-    n: Annotated[int | None, option(POSITIVE)] = None
-    budget: Annotated[int | None, option(POSITIVE)] = None
-    policy: Annotated[str | None, option(POLICY)] = None
-    rule: Annotated[str | None, option(RULE)] = None
     # the field that named a rule before rules were specs: refused, naming the spec that says the same
     choice: Annotated[Any, AfterValidator(refuse_choice)] = None
 
@@ -87,6 +84,13 @@ class RescueFields(BaseModel):
     def token_limit(self) -> int | None:
         """The committed tokens the request may take: max_tokens (chat: or max_completion_tokens, its new name)."""
         return self.max_tokens
+
+
+# OpenAI's fields, the ignored ones, and the settings a request may set (the server's are their defaults)
+RescueFields = create_model(
+    "RescueFields", __base__=OpenAIFields, **{name: (Any, None) for name in IGNORED},
+    **{setting.request: (Annotated[setting.json | None, option(setting.kind)], None)
+       for setting in SETTINGS if setting.request})
 
 
 class ChatMessage(BaseModel):
@@ -114,7 +118,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(RescueFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: Annotated[int | None, option(POSITIVE)] = None
+    max_completion_tokens: Annotated[int | None, option(BY_FIELD["max_tokens"].kind)] = None  # max_tokens' new name
     top_logprobs: Annotated[Any, unsupported(0)] = None
     tools: Annotated[Any, unsupported([])] = None
     tool_choice: Annotated[Any, unsupported("none")] = None
