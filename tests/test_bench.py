@@ -165,8 +165,8 @@ def test_n1_sweep_opens_no_prm_and_a_problem_that_cannot_finish_becomes_a_row(ba
 
     begin = Rescue.begin
 
-    def fails_on_the_robe(self, item, problem, slot):
-        solving = begin(self, item, problem, slot)
+    def fails_on_the_robe(self, item, problem, slot, own=None):
+        solving = begin(self, item, problem, slot, own)
         if problem.startswith("A robe"):
             solving.error = "the helper context (n_ctx=512) is full: raise its context size or lower --max-tokens"
         return solving

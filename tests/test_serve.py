@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 from kvrescue_local.cli import main  # noqa: E402
 from kvrescue_local.cli.serve import build_served, serve  # noqa: E402
 from kvrescue_local.errors import KVRescueError, SettingError  # noqa: E402
+from kvrescue_local.files import file_hash  # noqa: E402
 from kvrescue_local.rescue import Rescue, longest_prompt, loop  # noqa: E402
 from kvrescue_local.rescue.rules import Judge  # noqa: E402
 from kvrescue_local.runtime import Context  # noqa: E402
@@ -143,6 +144,119 @@ def test_stop_sequences_over_the_limit_health_probes_and_a_prompt_past_the_train
     assert past.status_code == 400 and past.json()["error"]["code"] == "context_length_exceeded"
     assert past.json()["error"]["param"] == "prompt"
     assert "was trained on 1,024" in past.json()["error"]["message"] and "--prompt-tokens" not in past.json()["error"]["message"]
+
+
+def test_props_answer_the_limits_the_server_started_with(toy_server):
+    """TOY_ARGS: -n 2, --concurrency 32, --prompt-tokens 128, f32 KV caches; the toy preset's --max-tokens 320 and
+    the base's trained context as --max-budget."""
+    served = toy_server.served
+    props = httpx.get(f"{toy_server.url}/props").json()
+    assert httpx.get(f"{toy_server.url}/v1/props").json() == props
+    assert props["total_slots"] == 32 and props["model_alias"] == "toy-kvrescue"
+    assert props["model_path"] == str(served.engine.models.base.path)
+    assert props["default_generation_settings"]["params"]["n_predict"] == 320
+    assert props["chat_template"] == served.config.prompt and "{problem}" in props["chat_template"]
+    own = props["kvrescue"]
+    expected = {"max_n": 2, "max_budget": 1024, "max_tokens": 320, "prompt_tokens": 128, "concurrency": 32,
+                "max_queue": 64, "max_request_bytes": 2 ** 20, "max_stops": 4, "max_messages": MAX_MESSAGES,
+                "preset": "toy", "tokenizer": "base"}
+    assert {k: own[k] for k in expected} == expected
+    assert own["memory_bytes"] == served.limits.memory
+    assert own["settings"]["cache_type_k"] == own["settings"]["cache_type_v"] == "f32"
+    assert own["settings"]["n"] == 2 and own["settings"]["kv"]["budget"] == served.config.kv.budget
+    models = served.engine.models
+    loaded = (("base", models.base), ("helper", models.helper), ("prm", models.prm.model))
+    assert own["models"] == {side: {"file": m.path.name, "fingerprint": file_hash(m.path), "n_ctx_train": 1024,
+                                    "n_vocab": m.n_vocab} for side, m in loaded}
+    over = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": "a=1", "n": own["max_n"] + 1})
+    assert over.status_code == 400 and f"over this server's n {own['max_n']}" in over.json()["error"]["message"]
+
+
+def test_tokenize_then_detokenize_round_trips_a_prompt_counted_as_the_server_counts_it(toy_server):
+    problem = toy_dataset().problems[3].problem
+    prompt = httpx.get(f"{toy_server.url}/props").json()["chat_template"].format(problem=problem)
+    tokens = httpx.post(f"{toy_server.url}/tokenize", json={"content": prompt}).json()["tokens"]
+    assert all(isinstance(t, int) for t in tokens)
+    assert httpx.post(f"{toy_server.url}/v1/tokenize", json={"content": prompt}).json()["tokens"] == tokens
+    assert httpx.post(f"{toy_server.url}/detokenize", json={"tokens": tokens}).json() == {"content": prompt}
+    assert httpx.post(f"{toy_server.url}/v1/detokenize", json={"tokens": tokens}).json() == {"content": prompt}
+    pieces = httpx.post(f"{toy_server.url}/tokenize", json={"content": prompt, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == tokens and "".join(p["piece"] for p in pieces) == prompt
+    # <|im_start|> is one token, or its characters one by one when the text is not to be read for control tokens
+    plain = httpx.post(f"{toy_server.url}/tokenize", json={"content": prompt, "parse_special": False}).json()["tokens"]
+    assert len(plain) > len(tokens)
+    answer = httpx.post(f"{toy_server.url}/v1/completions", json={"prompt": problem, "max_tokens": 1}, timeout=120)
+    assert answer.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize(("path", "body", "param", "said"), [
+    ("tokenize", {}, "content", "Field required"),
+    ("tokenize", {"content": 5}, "content", "valid string"),
+    ("tokenize", {"content": "a", "with_pieces": "yes"}, "with_pieces", "valid boolean"),
+    ("tokenize", {"content": "a", "pieces": True}, "pieces", "does not know this field"),
+    ("tokenize", {"content": "a" * 1500}, "content", "content is 1,500 tokens, over the 1,024 positions base.gguf"),
+    ("tokenize", {"content": "a" * 100_000}, "content", "content is at least 7,693 tokens (100,000 bytes"),
+    ("detokenize", {}, "tokens", "Field required"),
+    ("detokenize", {"tokens": [1, "2"]}, "tokens.1", "valid integer"),
+    ("detokenize", {"tokens": [1, 2.5]}, "tokens.1", "valid integer"),
+    ("detokenize", {"tokens": [True]}, "tokens.0", "valid integer"),
+    ("detokenize", {"tokens": "abc"}, "tokens", "valid list"),
+    ("detokenize", {"tokens": [5, 262]}, "tokens", "tokens[1] = 262 is no token of base.gguf (its ids are 0 to 261)"),
+    ("detokenize", {"tokens": [-1]}, "tokens", "tokens[0] = -1 is no token"),
+    ("detokenize", {"tokens": [2 ** 70]}, "tokens", f"tokens[0] = {2 ** 70} is no token")])
+def test_bad_tokenize_and_detokenize_inputs_are_400s(toy_server, path, body, param, said):
+    response = httpx.post(f"{toy_server.url}/{path}", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert said in error["message"], error
+
+
+def test_tokenize_refuses_a_lone_surrogate(toy_server):
+    response = httpx.post(f"{toy_server.url}/tokenize", content=b'{"content": "a\\udc80"}',
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "\\udc80 at character 1" in response.json()["error"]["message"]
+
+
+def test_slots_list_a_request_while_it_streams_and_none_when_idle(toy_server, monkeypatch):
+    """The engine thread is held inside the request's third step (its on_step) while /slots is read: what it
+    shows is the progress recorded after the request's second turn."""
+    engine = toy_server.served.engine
+    toy_server.wait_idle()
+    assert httpx.get(f"{toy_server.url}/slots").json() == httpx.get(f"{toy_server.url}/v1/slots").json() == []
+    held, release = threading.Event(), threading.Event()
+    on_step = engine.on_step
+
+    def holding(job, step):
+        if step.round == 2:
+            held.set()
+            release.wait(60)
+        on_step(job, step)
+
+    monkeypatch.setattr(engine, "on_step", holding)
+    problem = toy_dataset().problems[0].problem
+    try:
+        with httpx.stream("POST", f"{toy_server.url}/v1/completions", timeout=120,
+                          json={"prompt": problem, "stream": True, "seed": 4, "max_tokens": 300}) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data:"))
+            chunks = [json.loads(next(lines).removeprefix("data:")) for _ in range(2)]
+            assert held.wait(60)
+            (slot,) = httpx.get(f"{toy_server.url}/slots").json()
+            release.set()
+            rest = [line.removeprefix("data:").strip() for line in lines]
+    finally:
+        release.set()
+    assert slot["id"] == 0 and slot["id_task"] == chunks[0]["id"] and slot["is_processing"]
+    assert slot["params"]["n_predict"] == 300 and slot["params"]["seed"] == 4
+    own = slot["kvrescue"]
+    assert own["steps"] == 2 and own["last_source"] == chunks[1]["choices"][0]["kvrescue"]["source"]
+    assert own["budget"] == toy_server.served.config.kv.budget and own["mode"] == "kvrescue"
+    assert own["prompt_tokens"] > 0 and 0 < own["base_tokens"] <= own["budget"] + toy_server.served.config.kv.buffer
+    # the prompt and two steps are more than budget + buffer cells: the base has evicted
+    assert own["prompt_tokens"] + slot["next_token"]["n_decoded"] > own["budget"] + toy_server.served.config.kv.buffer
+    assert own["evictions"] >= 1
+    assert rest[-1] == "[DONE]"
+    toy_server.wait_idle()
+    assert httpx.get(f"{toy_server.url}/slots").json() == []
 
 
 START_ARGS = ["--preset", "toy", "-t", "1", "-n", "2"]
@@ -554,6 +668,16 @@ def test_an_api_key_and_cors_origins(monkeypatch):
             assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         for path in ("/health", "/v1/health"):  # a liveness probe needs no key
             assert httpx.get(f"{server.url}{path}").status_code == httpx.head(f"{server.url}{path}").status_code == 200
+        key = {"Authorization": "Bearer sekrit"}
+        for prefix in ("", "/v1"):  # llama-server's routes ask for the key as the others do
+            for method, path, body in (("GET", "/props", None), ("GET", "/slots", None), ("POST", "/tokenize",
+                                       {"content": "a=1"}), ("POST", "/detokenize", {"tokens": [97]})):
+                url_of = f"{server.url}{prefix}{path}"
+                refused = httpx.request(method, url_of, json=body, headers=wrong_key)
+                assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key", url_of
+                assert httpx.request(method, url_of, json=body).status_code == 401, url_of
+                assert httpx.request(method, url_of, json=body, headers=key).status_code == 200, url_of
+        assert httpx.get(f"{server.url}/props", headers=key).json()["total_slots"] == 1
         assert 'endpoint="/v1/completions",status="401"' in httpx.get(
             f"{url.removesuffix('/v1')}/metrics", headers={"Authorization": "Bearer sekrit"}).text
         asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
@@ -627,8 +751,16 @@ def test_a_client_killed_mid_stream_frees_its_slot(endless_server):
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         assert server.metric("kvrescue_requests_in_flight") == 1
+        # a helper-mode server loads no base: its slot has no budget and no base cells, /tokenize reads the helper
+        (slot,) = httpx.get(f"{server.url}/slots").json()
+        assert slot["kvrescue"]["budget"] is None and slot["kvrescue"]["base_tokens"] == 0
+        assert slot["kvrescue"]["last_source"] in (None, "helper")
+        assert httpx.get(f"{server.url}/props").json()["kvrescue"]["tokenizer"] == "helper"
+        assert httpx.post(f"{server.url}/tokenize", json={"content": "abc"}).json()["tokens"] == \
+            server.served.engine.models.helper.tokenize("abc").tolist()
     server.wait_idle()
     assert server.metric("kvrescue_requests_cancelled_total") == 1
+    assert httpx.get(f"{server.url}/slots").json() == []
 
 
 def test_a_client_killed_mid_request_frees_its_slot_without_streaming(endless_server):

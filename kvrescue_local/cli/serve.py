@@ -121,7 +121,8 @@ def build_served(options: dict):
     return Served(engine, config, (f"{family}-{mode}", family), [m for m in (models.base, models.helper) if m is not None],
                   has_prm=models.prm is not None, limits=Limits(max_budget, memory, request_bytes),
                   kv_bytes=lambda request_config: kv_need(request_config, concurrency),
-                  api_key=options["api_key"], allowed_origins=tuple(comma_items(options["allowed_origins"])))
+                  api_key=options["api_key"], allowed_origins=tuple(comma_items(options["allowed_origins"])),
+                  preset=selection.preset.name if selection.preset else None)
 
 
 @click.command(cls=SettingsCommand)
@@ -147,8 +148,8 @@ def build_served(options: dict):
 @search_options()
 def serve(host, port, **options) -> None:
     """Serve the engine over an OpenAI-compatible API: /v1/chat/completions, /v1/completions, /v1/models,
-    /health, /metrics. A request's rescue settings (mode, n, budget, policy, rule) come as extra body fields;
-    these options are their defaults."""
+    /health, /metrics, and llama-server's /props, /tokenize, /detokenize, /slots. A request's rescue settings
+    (mode, n, budget, policy, rule) come as extra body fields; these options are their defaults."""
     Server, _, _, create_app, _, _ = serve_stack()
     with listening_socket(host, port) as sock:
         served = build_served(options)

@@ -2,8 +2,9 @@
 
 from .config import QWEN_MATH_COT, RescueConfig
 from .generator import Draft, Generator, Request
-from .loop import Models, Rescue, check_compatible, longest_prompt, problem_key
+from .loop import Models, Progress, Rescue, check_compatible, longest_prompt, problem_key
 from .record import MODES, SCHEMA_VERSION, Candidate, Mode, Step, Trajectory
 
-__all__ = ["MODES", "QWEN_MATH_COT", "SCHEMA_VERSION", "Candidate", "Draft", "Generator", "Mode", "Models", "Request",
+__all__ = ["MODES", "QWEN_MATH_COT", "SCHEMA_VERSION", "Candidate", "Draft", "Generator", "Mode", "Models", "Progress",
+           "Request",
            "Rescue", "RescueConfig", "Step", "Trajectory", "check_compatible", "longest_prompt", "problem_key"]

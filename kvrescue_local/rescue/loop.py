@@ -121,6 +121,18 @@ class Solving:
             self.seconds[k] = self.seconds.get(k, 0.0) + v
 
 
+@dataclass(frozen=True)
+class Progress:
+    """Where a problem in flight stands between rounds: its steps committed and their tokens, the source of the last
+    (None before the first), the cells its base sequence holds and the evictions of its base sequences so far."""
+
+    steps: int = 0
+    committed_tokens: int = 0
+    last_source: str | None = None
+    base_cells: int = 0
+    evictions: int = 0
+
+
 @dataclass
 class Models:
     """The models a run opened, None where its modes use none: a Rescue's base, helper and judge."""
@@ -234,6 +246,20 @@ class Rescue:
     def slots_in_flight(self) -> list[dict[int, Solving]]:
         """Empty bookkeeping for `turns`: each lane's problems in flight by slot."""
         return [{} for _ in self.lanes or [self]]
+
+    def progress(self, flying: list[dict[int, Solving]]) -> list[tuple[object, Progress]]:
+        """Each problem in flight (`flying`, as `turns` keeps it) and its Progress; read on the thread that runs the
+        turns, between them, as it reads llama.cpp's cells."""
+        out = []
+        for lane, solving in zip(self.lanes or [self], flying):
+            base = lane.sides.get("base")
+            for s in solving.values():
+                steps = s.trajectory.steps
+                out.append((s.item, Progress(len(steps), s.trajectory.tokens["committed"],
+                                             steps[-1].source if steps else None,
+                                             base.resident_cells(s.slot) if base else 0,
+                                             base.evictions(s.slot)[0] if base else 0)))
+        return out
 
     def turns(self, queue: Iterator[Item], flying: list[dict[int, Solving]], text, on_step, config_of,
               stop_of) -> Iterator[tuple[Item, Trajectory, str | None]]:

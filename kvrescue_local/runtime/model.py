@@ -160,12 +160,13 @@ class Model:
             eog = self._eog[token] = bool(llama().llama_vocab_is_eog(self.vocab, token))
         return eog
 
-    def tokenize(self, text: str, special: bool = True) -> np.ndarray:
-        """Token ids of text; with special=True control tokens written in the text (<|im_start|>) are parsed."""
+    def tokenize(self, text: str, special: bool = True, add_special: bool = False) -> np.ndarray:
+        """Token ids of text; with special=True control tokens written in the text (<|im_start|>) are parsed, with
+        add_special=True the vocabulary's own BOS/EOS are added where it asks for them (prompts carry their own)."""
         data = text.encode("utf-8")
         capacity = len(data) + 8
         out = (ctypes.c_int32 * capacity)()
-        n = llama().llama_tokenize(self.vocab, data, len(data), out, capacity, False, special)
+        n = llama().llama_tokenize(self.vocab, data, len(data), out, capacity, add_special, special)
         if n < 0:
             raise KVRescueError(f"tokenizer needed {-n} tokens for {len(data)} bytes")
         return np.frombuffer(out, dtype=np.int32, count=n).copy()

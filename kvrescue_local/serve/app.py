@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, plus
-/health and /metrics. A request passes the server's gates (its API key when the server has one, the size of its
-body: access.py), is checked whole in a worker thread (400: its fields against the server's limits, its prompt
-tokenized against the cells reserved), queued on the engine (429 when full) and answered from the events the
-engine thread sends: SSE chunks as steps are committed, or one response at the end. Every error is OpenAI's
-shape: {"error": {"message", "type", "param", "code"}}."""
+/health and /metrics, and llama-server's /props (the server's limits and models), /tokenize, /detokenize and /slots
+(the requests in flight), each also under /v1/. A request passes the server's gates (its API key when the server has
+one, the size of its body: access.py), is checked whole in a worker thread (400: its fields against the server's
+limits, its prompt tokenized against the cells reserved), queued on the engine (429 when full) and answered from the
+events the engine thread sends: SSE chunks as steps are committed, or one response at the end. Every error is
+OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from ..errors import KVRescueError, SettingError
+from ..files import check_encodable, file_hash
 from ..rescue import RescueConfig
 from ..rescue.limits import GIB, check_kv_sizes, check_problem, check_prompt_room
 from ..runtime import Model
 from ..settings import BY_FIELD, SETTINGS, config_overrides, request_name
 from .access import ApiKey, BodyLimit, RequestError, error_body, unauthorized
 from .engine import Engine, Job, QueueFull, ShuttingDown
-from .schemas import EXTENSION, ChatRequest, CompletionRequest, RescueFields
+from .schemas import (EXTENSION, MAX_MESSAGES, MAX_STOPS, ChatRequest, CompletionRequest, DetokenizeRequest,
+                      RescueFields, TokenizeRequest)
 
 RETRY_AFTER_SECONDS = 1
 SHUTDOWN_GRACE_SECONDS = 1.0  # what an open stream has to send its last events once the server is stopping
@@ -39,7 +42,8 @@ GRACEFUL_SHUTDOWN_SECONDS = 2  # uvicorn cancels what still holds a connection a
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its response; nobody receives it
 UNKNOWN_FIELD = ("this server does not know this field: leave it out (docs/serving.md lists the fields it reads and "
                  "those it accepts and ignores)")
-ROUTES = "/v1/chat/completions, /v1/completions, /v1/models, /health (/v1/health) and /metrics"
+ROUTES = ("/v1/chat/completions, /v1/completions, /v1/models, /props, /tokenize, /detokenize, /slots (these four "
+          "and /health also under /v1/), /health and /metrics")
 HEALTH_PATHS = ("/health", "/v1/health")  # a liveness probe needs no key
 
 
@@ -71,6 +75,74 @@ class Served:
     kv_bytes: Callable[[RescueConfig], int]
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    preset: str | None = None  # the preset the server's settings come from
+
+    @property
+    def tokenizer(self) -> tuple[str, Model]:
+        """The model /tokenize and /detokenize use, and its side: the base, or the helper where the server's mode
+        loads no base."""
+        models = self.engine.models
+        return ("base", models.base) if models.base is not None else ("helper", models.helper)
+
+    def props(self) -> dict:
+        """/props: llama-server's fields where they have a meaning here, the server's limits and models under
+        `kvrescue`; called in a worker thread (a model's fingerprint reads its file's header once)."""
+        config, engine, models = self.config, self.engine, self.engine.models
+        side, tokenizer = self.tokenizer
+        loaded = {"base": models.base, "helper": models.helper, "prm": models.prm and models.prm.model}
+        return {
+            "default_generation_settings": {
+                "n_ctx": engine.prompt_tokens_max + config.max_tokens,  # the positions a request spans at most
+                "params": {"n_predict": config.max_tokens, "seed": config.seed, "temperature": config.temperature,
+                           "top_p": config.top_p, "stop": []}},
+            "total_slots": engine.concurrency,
+            "model_path": str(tokenizer.path),
+            "model_alias": self.model_id,
+            "chat_template": config.prompt,  # the prompt template, {problem} standing for the problem
+            "modalities": {"vision": False, "audio": False},
+            EXTENSION: {
+                "max_n": config.n, "max_budget": self.limits.max_budget, "max_tokens": config.max_tokens,
+                "prompt_tokens": engine.prompt_tokens_max, "concurrency": engine.concurrency,
+                "max_queue": engine.max_queue, "memory_bytes": self.limits.memory,
+                "max_request_bytes": self.limits.request_bytes, "max_stops": MAX_STOPS, "max_messages": MAX_MESSAGES,
+                "model_names": list(self.model_names), "preset": self.preset, "tokenizer": side,
+                "models": {name: {"file": m.name, "fingerprint": file_hash(m.path), "n_ctx_train": m.n_ctx_train,
+                                  "n_vocab": m.n_vocab} for name, m in loaded.items() if m is not None},
+                "settings": config.as_dict()}}
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """/tokenize; called in a worker thread. Content longer than the model's trained context is refused: no
+        request could hold it, and its bytes alone say so of one too long to be worth tokenizing."""
+        _, model = self.tokenizer
+        try:
+            check_encodable(body.content, "content", "send the text as UTF-8")
+        except KVRescueError as exc:
+            raise RequestError(400, str(exc), param="content") from None
+        size, most = len(body.content.encode("utf-8")), model.n_ctx_train
+        if size > most * model.longest_token_bytes:
+            self.refuse_content(f"at least {-(-size // model.longest_token_bytes):,} tokens ({size:,} bytes, at most "
+                                f"{model.longest_token_bytes} a token)", model)
+        tokens = model.tokenize(body.content, special=body.parse_special, add_special=body.add_special).tolist()
+        if len(tokens) > most:
+            self.refuse_content(f"{len(tokens):,} tokens", model)
+        if not body.with_pieces:
+            return {"tokens": tokens}
+        return {"tokens": [{"id": token, "piece": piece_of(model.detokenize_bytes([token]))} for token in tokens]}
+
+    @staticmethod
+    def refuse_content(count: str, model: Model) -> None:
+        raise RequestError(400, f"content is {count}, over the {model.n_ctx_train:,} positions {model.name} was "
+                                "trained on, which no request can hold: send a shorter text", param="content",
+                           code="context_length_exceeded")
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        _, model = self.tokenizer
+        vocabulary = model.n_vocab
+        for at, token in enumerate(body.tokens):
+            if not 0 <= token < vocabulary:
+                raise RequestError(400, f"tokens[{at}] = {token} is no token of {model.name} (its ids are 0 to "
+                                        f"{vocabulary - 1}): send ids that /tokenize gave", param="tokens")
+        return {"content": model.detokenize(body.tokens)}
 
     @property
     def model_id(self) -> str:
@@ -114,7 +186,7 @@ class Served:
                                     "server with a larger memory")
         return config
 
-    def job(self, body: ChatRequest | CompletionRequest, loop: asyncio.AbstractEventLoop) -> Job:
+    def job(self, body: ChatRequest | CompletionRequest, loop: asyncio.AbstractEventLoop, ident: str) -> Job:
         """The request's job, every field checked; called in a worker thread, as tokenizing a long prompt takes a
         while and the event loop answers others meanwhile."""
         self.check_model(body.model)
@@ -143,7 +215,16 @@ class Served:
             check_kv_sizes([config], self.engine.models.base, prompt_tokens)
         except SettingError as exc:
             raise setting_refused(exc) from None
-        return Job(problem, config, body.token_limit or config.max_tokens, body.stops(), prompt_tokens, loop)
+        return Job(problem, config, body.token_limit or config.max_tokens, body.stops(), prompt_tokens, loop, ident)
+
+
+def piece_of(data: bytes) -> str | list[int]:
+    """A token's piece as llama-server gives it: its text, or its bytes where they are not whole UTF-8 (a byte-level
+    token may hold half of a character)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
 
 
 def setting_refused(exc: SettingError) -> RequestError:
@@ -249,15 +330,35 @@ def create_app(served: Served) -> FastAPI:
         served.check_model(name)
         return model_card()
 
+    @api.get("/props")
+    @api.get("/v1/props")
+    async def props():
+        return await asyncio.to_thread(served.props)
+
+    @api.get("/slots")
+    @api.get("/v1/slots")
+    async def slots():
+        return served.engine.slots()
+
+    @api.post("/tokenize")
+    @api.post("/v1/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await asyncio.to_thread(served.tokenize, body)
+
+    @api.post("/detokenize")
+    @api.post("/v1/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await asyncio.to_thread(served.detokenize, body)
+
     async def complete(request: Request, body, chat: bool):
-        job = await asyncio.to_thread(served.job, body, asyncio.get_running_loop())
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        job = await asyncio.to_thread(served.job, body, asyncio.get_running_loop(), ident)
         try:
             served.engine.submit(job)
         except QueueFull as exc:
             raise RequestError(429, str(exc), "rate_limit_exceeded") from None
         except ShuttingDown as exc:
             raise RequestError(503, str(exc), "server_error") from None
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": ident, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": served.model_id}
         path = request.url.path

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..errors import KVRescueError, SettingError
 from ..prm import PRM
-from ..rescue import Models, Rescue, RescueConfig, Step, Trajectory
+from ..rescue import Models, Progress, Rescue, RescueConfig, Step, Trajectory
 from ..rescue.limits import models_kv_memory
 from ..settings import request_name
 from .metrics import Metrics
@@ -59,6 +59,9 @@ class Job:
     stops: list[str]
     prompt_tokens: int
     loop: asyncio.AbstractEventLoop
+    ident: str  # the id of its response (chatcmpl-..., cmpl-...)
+    slot: int | None = None  # its number among the server's --concurrency slots while it holds one
+    progress: Progress = Progress()  # as the engine thread last recorded it, under Engine.cond
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.perf_counter)
     first_step: float | None = None  # perf_counter when its first step was sent
@@ -75,6 +78,22 @@ class Job:
         """The settings of the engine that runs it: its own but for the sampling, which each problem brings to the
         engine (an engine's own is never used)."""
         return dataclasses.replace(self.config, temperature=0.0, top_p=1.0, seed=0)
+
+    def slot_state(self) -> dict:
+        """llama-server's shape of a slot in /slots, the rescue's own fields under `kvrescue`; called under
+        Engine.cond, which guards `slot` and `progress`."""
+        config, progress = self.config, self.progress
+        return {"id": self.slot, "id_task": self.ident, "is_processing": True,
+                "params": {"n_predict": self.max_tokens, "seed": config.seed, "temperature": config.temperature,
+                           "top_p": config.top_p, "stop": self.stops},
+                "next_token": {"has_next_token": True, "n_decoded": progress.committed_tokens,
+                               "n_remain": max(0, self.max_tokens - progress.committed_tokens)},
+                "kvrescue": {"mode": config.mode.value, "n": config.n, "rule": config.rule.spec,
+                             "budget": config.kv.budget if config.evicts else None,
+                             "policy": config.kv.policy if config.evicts else None,
+                             "prompt_tokens": self.prompt_tokens, "steps": progress.steps,
+                             "last_source": progress.last_source, "evictions": progress.evictions,
+                             "base_tokens": progress.base_cells}}
 
     def stop_reason(self) -> str | None:
         if self.cancelled:
@@ -166,6 +185,12 @@ class Engine:
             self.thread.join(wait)
         return not self.thread.is_alive()
 
+    def slots(self) -> list[dict]:
+        """The requests that hold a slot, by slot (/slots): a snapshot under the lock the engine thread records
+        them under."""
+        with self.cond:
+            return [job.slot_state() for job in sorted(self.running, key=lambda j: j.slot)]
+
     def submit(self, job: Job) -> None:
         with self.cond:
             if self.closing:
@@ -223,6 +248,7 @@ class Engine:
             self.configurations[key] = configuration  # the most recently used last
             with self.cond:
                 self.pending.popleft()
+                job.slot = min(set(range(self.concurrency)) - {j.slot for j in self.running})
                 self.running.add(job)
                 self.metrics.queued, self.metrics.in_flight = len(self.pending), len(self.running)
             configuration.jobs.add(job)
@@ -271,6 +297,10 @@ class Engine:
                     lambda j: j.config, Job.stop_reason):
                 configuration.jobs.discard(job)
                 self.finished(job, trajectory, error)
+            progress = configuration.rescue.progress(configuration.flying)
+            with self.cond:
+                for job, state in progress:
+                    job.progress = state
         except Exception as exc:  # noqa: BLE001 - the engine failed mid-round: its requests get a 500
             failed = configuration.jobs
             with self.cond:

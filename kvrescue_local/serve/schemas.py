@@ -1,5 +1,6 @@
 """The request bodies of /v1/chat/completions and /v1/completions (OpenAI's fields, plus the rescue
-settings as extension fields) and the chunks and responses sent back.
+settings as extension fields) and the chunks and responses sent back; those of /tokenize and /detokenize
+(llama-server's fields).
 
 The rescue settings a request may set are made from the settings schema (settings.SETTINGS: those with a request
 name), each checked by its setting's own kind, so a request cannot ask what the command line refuses; the limits of
@@ -155,3 +156,21 @@ class CompletionRequest(RescueFields):
 
     def problem(self) -> str:
         return self.prompt
+
+
+class TokenizeRequest(BaseModel):
+    """llama-server's /tokenize: `content` in the tokens of the model that reads prompts (Served.tokenizer); as the
+    completions' bodies, a field of another name or a value of another JSON type is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    content: str
+    add_special: bool = False  # the vocabulary's BOS/EOS, as llama-server; the server's prompts add none
+    parse_special: bool = True  # control tokens written in the text (<|im_start|>) are one token each
+    with_pieces: bool = False  # each token as {"id", "piece"}
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tokens: list[int]
