@@ -18,7 +18,7 @@ from .errors import KVRescueError
 from .files import check_input_file, file_hash
 from .hub import resolve_gguf, resolve_prm
 from .paths import CACHE
-from .presets import HELPER, Preset, load_preset, preset_of
+from .presets import HELPER, Preset, load_preset, owns, preset_of, without_fit
 from .prm import PRM, PRMParams, RewardHead, head_path, prm_format
 from .rescue import Models, RescueConfig
 from .rescue.judge import HelperHead
@@ -141,7 +141,7 @@ def check_calibration_head(selection: Selection, dataset: str | None, configs: l
                             f"rewards of head {fitted[:8]}, and --rule {calibrated[0].rule} at budget "
                             f"{calibrated[0].kv.budget} would read those of {head} ({used[:8]}) through it: pass "
                             "a --rule without calibrated (judge, lead:base, lead:helper), or refit the calibration on "
-                            "rows this head scored (perf/fit_commit.py, docs/prm.md)")
+                            "rows this head scored (`kvrescue-local fit`, docs/prm.md)")
 
 
 def prm_head_given(value: str | None) -> tuple[str | None, Path | None]:
@@ -158,19 +158,22 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
     """--base/--helper/--prm, falling back to --preset for what is not given. A PRM is needed only where a
     round has a choice (more than one candidate); `--prm helper` reads the helper's context with the preset's
     helper head, `--prm helper:HEAD.npz` with that one; `--prm PATH.gguf:HEAD.npz` is a separate PRM whose head
-    is not beside it."""
+    is not beside it. A preset's judge, detector thresholds and rules were fitted for its own pair: where --base or
+    --helper gives a model of another fingerprint (presets.owns), they do not apply, and a run that needs the
+    preset's judge is refused (refuse_judge_of_another_pair)."""
     given = {role: options.get(role) for role in ("base", "helper", "prm")}
     given["prm"], head_given = prm_head_given(given["prm"])
     in_helper = given["prm"] == HELPER
     needed = {"base": needs_base, "helper": needs_helper or in_helper and needs_prm, "prm": needs_prm}
     preset = None
+    notes = []  # said once the pair is checked: an Error line comes first
     if any(given[role] is None for role, need in needed.items() if need) or (in_helper and needs_prm and not head_given):
         preset = load_preset(options["preset"])
         if preset.note:
-            note(f"preset {preset.name}: {preset.note}")
+            notes.append(f"preset {preset.name}: {preset.note}")
         for role, need in needed.items():  # the note describes the preset's own models
             if need and options.get(role) and options[role] != str(getattr(preset, role)):
-                note(f"{role}: {options[role]} (--{role}), in place of the preset's")
+                notes.append(f"{role}: {options[role]} (--{role}), in place of the preset's")
     paths = {role: given[role] or (getattr(preset, role) if preset else None) for role in given}
     # a preset's head may ship apart from its backbone; a --prm backbone has its head beside it unless one is given
     if paths["prm"] == HELPER:
@@ -181,13 +184,60 @@ def select_models(options: dict, needs_base: bool, needs_helper: bool, needs_prm
         paths[role] = paths[role] and resolve_gguf(paths[role])
     if given["prm"] and not in_helper and not Path(given["prm"]).exists() and given["prm"].count("/") == 1:
         paths["prm"] = resolve_prm(given["prm"], CACHE / "prm", quantize="q8_0")
+    preset_judge = given["prm"] is None or in_helper and not head_given
+    replaced = replaced_models(preset, given, paths, needed) if preset_judge else []
+    if replaced:
+        if needs_prm:
+            refuse_judge_of_another_pair(preset, given, replaced)
+        paths["prm"] = paths["prm_head"] = None  # a run that may not need it (serve) goes without, never with it
+    for text in notes:
+        note(text)
     primary = "base" if needs_base else "helper"
-    source = preset if given[primary] is None else preset_of(primary, paths[primary])
+    if given[primary] is None or preset is not None and owns(preset, primary, paths[primary]):
+        source = preset
+    else:
+        source = preset_of(primary, paths[primary])
+    others = [role for role in ("base", "helper") if needed[role] and source and not owns(source, role, paths[role])]
+    if others:  # its prompt and settings still serve the model of its that runs; what was fitted for its pair not
+        note(f"the {source.name} preset's detector thresholds and rules were fitted for its own pair, and the "
+             f"{' and '.join(others)} is not its: they do not apply (`kvrescue-local fit` fits this pair's)")
+        source = without_fit(source)
     rpc = parse_endpoints(options["rpc"]) if options.get("rpc") else ()
     given_layers = options.get("n_gpu_layers")
     selection = Selection(paths, source, rpc, ALL_LAYERS if given_layers is None else given_layers)
     check_model_files(selection, given)
     return selection
+
+
+def replaced_models(preset: Preset | None, given: dict, paths: dict, needed: dict) -> list[str]:
+    """The roles whose model --base or --helper gives in place of the preset's own (preset.owns)."""
+    if preset is None:
+        return []
+    # a file that is no GGUF (missing, a FIFO, another format) is refused by its reader first, naming the file
+    return [role for role in ("base", "helper") if needed[role] and given[role] and is_gguf(Path(paths[role]))
+            and not owns(preset, role, paths[role])]
+
+
+def refuse_judge_of_another_pair(preset: Preset, given: dict, replaced: list[str]) -> None:
+    """A preset's judge is fitted for its own pair: one Error line names how to get a judge for this one."""
+    options = " and ".join(f"--{role} {given[role]}" for role in replaced)
+    raise KVRescueError(f"{options} replace{'s' if len(replaced) == 1 else ''} the {preset.name} preset's "
+                        f"model{'s' if len(replaced) > 1 else ''}, and its judge was fitted for its own pair: fit "
+                        "one for this pair (`kvrescue-local fit --base BASE.gguf --helper HELPER.gguf --data "
+                        "TRAIN.jsonl --out FOLDER`, then --preset FOLDER), pass a judge for it (--prm "
+                        "PATH.gguf[:HEAD.npz] or --prm helper:HEAD.npz), or a rule that needs no judge (--rule "
+                        "random)")
+
+
+def is_gguf(path: Path) -> bool:
+    """A regular file (a FIFO is never opened: it would block) that begins as a GGUF does."""
+    try:
+        if not path.is_file():
+            return False
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def check_model_files(selection: Selection, given: dict) -> None:

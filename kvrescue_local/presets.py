@@ -36,6 +36,8 @@ from .rescue.rules.calibrated import fits_in
 from .wheels import WHEEL_MODELS, cached
 
 ROLES = ("base", "helper", "prm")
+FITTED = "fitted"  # preset.json's record of what `kvrescue-local fit` fitted a folder on (folder_preset)
+FOLDER_HEAD = "helper.head.npz"  # the judge `kvrescue-local fit` trains, in the folder it writes
 HELPER = "helper"  # as a PRM (`--prm helper`): a reward head on the helper's own context (rescue/judge.py)
 
 
@@ -108,9 +110,9 @@ def bundled_preset(name: str, directory: Path | None = None) -> Preset:
 
 def preset_spec(directory: Path) -> dict:
     """note, prompt and recipe from a preset folder's preset.json, its detector.json laid over the recipe's detector
-    settings, and its commit.json's fitted rules (written by perf/fit_commit.py beside what they were fitted on,
+    settings, and its commit.json's fitted rules (written by `kvrescue-local fit` beside what they were fitted on,
     "fit"): "rule", the preset's rule spec, and "datasets", the rule spec fitted for each dataset's problems; "fit"
-    names the head each dataset's calibration was fitted on."""
+    names the head each dataset's calibration was fitted on. `kvrescue-local fit` writes all three files."""
     spec = _read_json(directory / "preset.json")
     recipe = dict(spec.get("recipe") or {})
     dataset_recipes: dict = {}
@@ -127,7 +129,7 @@ def preset_spec(directory: Path) -> dict:
             recipe["rule"] = parse_rule(commit.get("rule"), "rule").spec
         except KVRescueError as error:
             raise KVRescueError(f"{directory / 'commit.json'} holds no rule specs ({error}): refit it with "
-                                "perf/fit_commit.py or restore it from the repository") from None
+                                "`kvrescue-local fit` or restore it from the repository") from None
         dataset_recipes = {name: {"rule": rule.spec} for name, rule in rules.items()}
         fit = commit.get("fit") if isinstance(commit.get("fit"), dict) else {}
         calibration_fits = fit.get("calibration") if isinstance(fit.get("calibration"), dict) else {}
@@ -136,7 +138,7 @@ def preset_spec(directory: Path) -> dict:
             head = entry.get("head_sha256") if fits_in(rule) and isinstance(entry, dict) else None
             if head is not None and not isinstance(head, str):
                 raise KVRescueError(f"{directory / 'commit.json'} names the head of {dataset}'s calibration by "
-                                    f"{head!r}, not a fingerprint: refit it with perf/fit_commit.py or restore it "
+                                    f"{head!r}, not a fingerprint: refit it with `kvrescue-local fit` or restore it "
                                     "from the repository")
             if head:
                 heads[dataset] = head
@@ -195,26 +197,98 @@ def hub_preset(models: HubModels, offline: bool | None = None) -> Preset:
                   resolve_prm(models.prm_repo, CACHE / "prm", models.prm_quantize, offline=offline), note=models.note)
 
 
+def fitted_record(directory: Path) -> dict:
+    """What `kvrescue-local fit` fitted a folder on (preset.json's "fitted"): models, problems, budgets, day."""
+    record = _read_json(directory / "preset.json").get(FITTED)
+    if not isinstance(record, dict) or not isinstance(record.get("models"), dict):
+        raise KVRescueError(f"{directory / 'preset.json'} records no fit (its \"{FITTED}\" is missing): a preset "
+                            f"folder is what `kvrescue-local fit --out {directory}` writes")
+    return record
+
+
+def recorded_model(directory: Path, role: str, entry) -> Path:
+    """A model a fitted folder names, checked to be the very file it was fitted on (its fingerprint)."""
+    from .files import file_hash
+
+    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+        raise KVRescueError(f"{directory / 'preset.json'} names no {role} model: fit the pair again "
+                            f"(`kvrescue-local fit --out {directory}`)")
+    where = entry.get("path")
+    path = Path(where) if isinstance(where, str) else None
+    fitted = f"the preset {directory} was fitted on the {role} {entry.get('file')} ({entry['sha256'][:8]})"
+    if path is None:
+        raise KVRescueError(f"{fitted}, recorded by its fingerprint only (fitted from rows): copy the fitted files "
+                            "into a folder `kvrescue-local fit` wrote for the pair's files")
+    if not path.is_file():
+        raise KVRescueError(f"{fitted}, which is no longer at {path}: put it back there, or fit the pair again "
+                            f"(`kvrescue-local fit --out {directory}`)")
+    if file_hash(path) != entry["sha256"]:
+        raise KVRescueError(f"{fitted}, and {path} is another file now ({file_hash(path)[:8]}): put the fitted file "
+                            f"back, or fit the pair again (`kvrescue-local fit --out {directory}`)")
+    return path
+
+
+def folder_preset(directory: Path) -> Preset:
+    """A preset folder `kvrescue-local fit` wrote: the models it records (each checked by its fingerprint), the judge
+    it trained (helper.head.npz, `--prm helper`) or the PRM it was given, and its fitted thresholds and rules."""
+    record = fitted_record(directory)
+    models = record["models"]
+    base, helper = (recorded_model(directory, role, models.get(role)) for role in ("base", "helper"))
+    prm = models.get("prm")
+    if isinstance(prm, dict) and prm.get("path"):  # a PRM of its own was given
+        return Preset(str(directory), base, helper, recorded_model(directory, "prm", prm),
+                      prm_head=Path(prm["head"]) if prm.get("head") else None, **preset_spec(directory))
+    head = Path(prm["head"]) if isinstance(prm, dict) and prm.get("head") else directory / FOLDER_HEAD
+    return Preset(str(directory), base, helper, HELPER, helper_head=head, **preset_spec(directory))
+
+
 def load_preset(name: str, offline: bool | None = None) -> Preset:
     if name in PRESETS:
         return PRESETS[name]()
     if name in HUB_PRESETS:
         return hub_preset(HUB_PRESETS[name], offline)
-    raise KVRescueError(f"unknown preset {name!r}: use one of {', '.join([*PRESETS, *HUB_PRESETS])} or pass "
-                        "--base/--helper/--prm paths")
+    if Path(name).is_dir():
+        return folder_preset(Path(name))
+    raise KVRescueError(f"unknown preset {name!r}: use one of {', '.join([*PRESETS, *HUB_PRESETS])}, a folder "
+                        "`kvrescue-local fit` wrote, or pass --base/--helper/--prm paths")
 
 
-def preset_of(role: str, path: Path) -> Preset | None:
-    """The bundled preset whose `role` model is the file at `path` (its prompt and recipe apply), if any: that file
-    under any name, a copy of it (the same fingerprint, files.file_hash), or a quantization of it by `models
-    quantize` (the source it recorded, quantize.quantized_from, or the model cache's name for it)."""
+def is_model(path: Path, own: Path) -> bool:
+    """Whether the file at `path` is the model file `own`: that file under any name, a copy of it (the same
+    fingerprint, files.file_hash), or a quantization of it by `models quantize` (the source it recorded,
+    quantize.quantized_from, or the model cache's name for it)."""
     from .files import file_hash
     from .quantize import is_copy_of, quantized_from
 
-    path = Path(path)
-    identities = {file_hash(path), quantized_from(path)} if path.is_file() else set()
+    path, own = Path(path), Path(own)
+    if not own.is_file() or not path.is_file():
+        return False
+    return (path.resolve() == own.resolve() or file_hash(own) in {file_hash(path), quantized_from(path)}
+            or is_copy_of(path, own))
+
+
+def owns(preset: Preset, role: str, path: Path) -> bool:
+    """Whether the `role` model at `path` is the preset's own (is_model)."""
+    own = getattr(preset, role)
+    return own not in (None, HELPER) and is_model(path, own)
+
+
+def preset_of(role: str, path: Path) -> Preset | None:
+    """The bundled preset whose `role` model is the file at `path` (is_model; its prompt and recipe apply), if any."""
     for name in BUNDLED:
         own = SHIPPED_MODELS / name / f"{role}.gguf"
-        if own.exists() and (path.resolve() == own.resolve() or file_hash(own) in identities or is_copy_of(path, own)):
+        if is_model(path, own):
             return bundled_preset(name)
     return None
+
+
+def without_fit(preset: Preset) -> Preset:
+    """The preset's prompt and settings without what was fitted for its own pair (the detector's thresholds, the
+    rules and their calibrations): what applies to a pair of which one model is not the preset's."""
+    from dataclasses import replace
+
+    fitted = {"rule", "helper_tau_entropy", "helper_tau_compression"}
+    recipe = {key: value for key, value in preset.recipe.items() if key not in fitted}
+    if isinstance(recipe.get("detector"), dict):
+        recipe["detector"] = {k: v for k, v in recipe["detector"].items() if not k.startswith("tau_")}
+    return replace(preset, recipe=recipe, dataset_recipes={}, calibration_heads={})

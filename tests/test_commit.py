@@ -102,7 +102,7 @@ def test_a_preset_carries_its_fitted_rule_and_rows_record_each_rules_spec(base_p
     (tmp_path / "commit.json").write_text(json.dumps({"rule": "lead:base,margin=0.1", "fit": {"problems": 3}}))
     assert RescueConfig().with_overrides(preset_spec(tmp_path)["recipe"]).rule == parse_rule("lead:base,margin=0.1")
     (tmp_path / "commit.json").write_text(json.dumps({"rule": {"helper_margin": 0.1}}))
-    with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
+    with pytest.raises(KVRescueError, match="kvrescue-local fit"):
         preset_spec(tmp_path)
     results = tmp_path / "rules.jsonl"
     args = ["bench", "run", "--dataset", "gsm8k", "--limit", "1", "--modes", "bon,kvrescue", "--budgets", "32",
@@ -156,7 +156,7 @@ def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, mon
     assert preset_spec(tmp_path)["calibration_heads"] == {"gsm8k": "0123456789abcdef"}, "only a calibration's head"
     commit["fit"]["calibration"]["gsm8k"]["head_sha256"] = 7
     (tmp_path / "commit.json").write_text(json.dumps(commit))
-    with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
+    with pytest.raises(KVRescueError, match="kvrescue-local fit"):
         preset_spec(tmp_path)
     toy = presets.load_preset("toy")
     fitted = head_path(toy.prm)
@@ -195,12 +195,14 @@ def test_a_calibration_is_read_only_with_the_head_it_was_fitted_on(tmp_path, mon
 
 
 @pytest.mark.parametrize("rule", ["lead:base", "calibrated:1,0,1,0"])
-def test_a_rule_that_reads_rewards_loads_the_presets_prm_when_none_is_given(base_path, helper_path, rule):
-    ran = CliRunner().invoke(main, ["solve", "--mode", "kvrescue", "-n", "1", "--budget", "32", "--buffer", "16",
-                                    "--max-tokens", "40", "--base", str(base_path), "--helper", str(helper_path),
-                                    "--rule", rule, "1+1?"])
+def test_a_rule_that_reads_rewards_loads_the_presets_prm_for_its_own_pair_only(base_path, helper_path, rule):
+    solve = ["solve", "--mode", "kvrescue", "-n", "1", "--budget", "32", "--buffer", "16", "--max-tokens", "40",
+             "--rule", rule, "1+1?"]
+    ran = CliRunner().invoke(main, solve)
     assert ran.exit_code == 0, ran.output
     assert f"rule: {rule} (--rule)" in ran.output
+    other = CliRunner().invoke(main, [*solve, "--base", str(base_path), "--helper", str(helper_path)])
+    assert other.exit_code != 0 and other.output.startswith("Error: --base") and "--prm" in other.output
 
 
 def test_the_rule_by_budget_is_its_first_rule_up_to_its_budget_and_its_second_above():
@@ -277,7 +279,7 @@ def test_a_preset_holds_a_rule_per_dataset_and_the_rule_by_budget_runs_the_judge
         "a calibrated rule without numbers takes the preset's for the dataset"
     assert preset_config(preset, None, rule="calibrated").rule.spec == "calibrated", "none fitted: as given"
     (tmp_path / "commit.json").write_text(json.dumps({"rule": "judge", "datasets": {"gsm8k": "by-budget:3"}}))
-    with pytest.raises(KVRescueError, match="perf/fit_commit.py"):
+    with pytest.raises(KVRescueError, match="kvrescue-local fit"):
         preset_spec(tmp_path)
     results = tmp_path / "regime.jsonl"
     sweep = ["bench", "run", "--dataset", "toy", "--preset", "toy", "--limit", "2", "--modes", "kvrescue", "--ns", "1"]

@@ -10,10 +10,13 @@ from click.testing import CliRunner
 
 from kvrescue_local import quantize
 from kvrescue_local.gguf_header import index_end
+from kvrescue_local.paths import SHIPPED_MODELS
 from kvrescue_local.cli import main
 from kvrescue_local.runtime import Context, ContextParams, Model
 from kvrescue_local.runtime.context import CACHE_TYPES, kv_bytes_per_cell
 from kvrescue_local.runtime.lib import loaded_library
+
+TOY_PRM = SHIPPED_MODELS / "toy" / "prm.gguf"  # a judge given: the tiny pair is no preset's, and has none of its own
 
 TOY = "a=7 b=4 c=5 d=9 e=6 f=2 g=8 h=3\nCompute 4 terms: a+d-c+g."
 
@@ -203,7 +206,8 @@ def sweep(base_path, helper_path, monkeypatch, tmp_path):
                             for i in range(2)))
 
     def run(results, *more):
-        return invoke("bench", "run", "--data", data, "--base", base_path, "--helper", helper_path, "--modes",
+        return invoke("bench", "run", "--data", data, "--base", base_path, "--helper", helper_path, "--prm", TOY_PRM,
+                      "--modes",
                       "full,bon,kvrescue", "--budgets", "16", "--buffer", "8", "--ns", "1", "--evict-prompt",
                       "--max-tokens", "40", "--max-step-tokens", "12", "-t", "1", "-fa", "on", "--results", results,
                       *more)

@@ -11,6 +11,7 @@ from ..files import os_error_message
 from ..settings import command_line_name
 from .bench import bench
 from .doctor import doctor, package_version
+from .fit import fit
 from .models import models
 from .prm import prm
 from .report import estimate_command, report
@@ -43,5 +44,5 @@ def main() -> None:
     """KV-Rescue on llama.cpp: an evicted base model rescued by a full-context helper and a PRM."""
 
 
-for command in (doctor, solve, models, bench, prm, toy, report, estimate_command, serve, rpc_server):
+for command in (doctor, solve, fit, models, bench, prm, toy, report, estimate_command, serve, rpc_server):
     main.add_command(command)

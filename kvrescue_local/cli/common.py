@@ -117,7 +117,8 @@ REFUSED_RULE_OPTIONS = [
 
 
 MODEL_OPTIONS = [
-    click.option("--preset", default="toy", show_default=True, help="model preset (overridden by --base/--helper/--prm)"),
+    click.option("--preset", default="toy", show_default=True,
+                 help="model preset, or a folder `kvrescue-local fit` wrote (overridden by --base/--helper/--prm)"),
     click.option("--base", help="base model (evicted): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--helper", help="helper model (full context): a GGUF path, owner/repo:FILE.gguf or owner/repo:QUANT"),
     click.option("--prm", help="PRM: a backbone GGUF path (its .head.npz beside it, or PATH.gguf:HEAD.npz), a hub "

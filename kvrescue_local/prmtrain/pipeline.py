@@ -25,7 +25,7 @@ from ..errors import KVRescueError
 from ..paths import CACHE
 from ..presets import HELPER
 from ..prm import PRM, PRMParams, RewardHead, head_path, prm_format
-from ..rescue import Generator, Mode
+from ..rescue import Generator, Mode, RescueConfig
 from ..rescue.judge import HelperJudge
 from ..rescue.limits import check_prompts_fit
 from ..runtime import Model, SamplingParams
@@ -108,16 +108,9 @@ def open_backbone(preset: str, threads: int, head: Path | None = None, features_
         raise KVRescueError(f"--helper names the model that reads a head's steps as held (format helper-value); a "
                             f"head of format {fmt.name} reads the PRM's own context")
     if fmt.as_held:
-        config = selection.config({})
         helper = Model(selection.paths["helper"])
         judged = None if features_only else helper_head(head, helper, preset).head
-        # the prompt the loop gives the helper (compose.open_models), or the one the head was trained under
-        prompt = (judged.prompt or fmt.prompt) if judged else helper.metadata(PROMPT_METADATA) or config.prompt
-        gen = Generator("helper", helper, 1, judge_ctx(helper, prompt, rows), None, SamplingParams(),
-                        config.max_step_tokens, n_batch=config.n_batch, flash_attn=config.flash_attn,
-                        type_k=config.helper_cache_type_k, type_v=config.helper_cache_type_v, n_threads=threads,
-                        scores=True)
-        return HelperJudge(gen, fmt, judged, prompt=prompt)
+        return helper_judge(helper, selection.config({}), fmt.name, judged, threads, rows)
     backbone = selection.paths["helper"] if selection.paths["prm"] == HELPER else selection.paths["prm"]
     if backbone is None:
         raise KVRescueError(f"the {preset} preset names no PRM backbone: a head is trained on the preset's PRM model")
@@ -126,6 +119,19 @@ def open_backbone(preset: str, threads: int, head: Path | None = None, features_
                             f"`kvrescue-local prm train --preset {preset}`")
     params = PRMParams(n_ctx=PRM_CTX, max_candidates=16, n_threads=threads)
     return PRM(backbone, params, head=head, features_only=features_only)
+
+
+def helper_judge(helper: Model, config: RescueConfig, fmt: str, judged: RewardHead | None, threads: int,
+                 rows: list[dict]) -> HelperJudge:
+    """The helper's context reading `rows`' steps as held, with the head `judged` (None: features only, to train
+    one of format `fmt`), in the settings of `config`."""
+    # the prompt the loop gives the helper (compose.open_models), or the one the head was trained under
+    prompt = (judged.prompt or prm_format(fmt).prompt) if judged else helper.metadata(PROMPT_METADATA) or config.prompt
+    gen = Generator("helper", helper, 1, judge_ctx(helper, prompt, rows), None, SamplingParams(),
+                    config.max_step_tokens, n_batch=config.n_batch, flash_attn=config.flash_attn,
+                    type_k=config.helper_cache_type_k, type_v=config.helper_cache_type_v, n_threads=threads,
+                    scores=True)
+    return HelperJudge(gen, prm_format(fmt), judged, prompt=prompt)
 
 
 def judge_ctx(helper: Model, prompt: str, rows: list[dict]) -> int:

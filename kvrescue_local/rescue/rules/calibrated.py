@@ -1,6 +1,6 @@
 """calibrated: the survivor most probably right, each source's reward r mapped to P(step right) =
 sigmoid(slope·r + bias) (the first on a tie). The four numbers (base slope, base bias, helper slope, helper bias) are
-fitted on the labelled steps of training problems (prmtrain/commit.py, perf/fit_commit.py); a spec without them
+fitted on the labelled steps of training problems (prmtrain/commit.py, `kvrescue-local fit`); a spec without them
 takes the ones the preset fitted for the run's dataset (its commit.json)."""
 
 from __future__ import annotations
