@@ -20,7 +20,6 @@ from ..detect import Detector, DetectorParams, compression_ratio
 from ..detect.calibrate import MIN_SEPARABILITY, otsu_threshold
 from ..errors import KVRescueError
 from ..files import write_output
-from ..eviction import KVBudget
 from ..rescue import Rescue, RescueConfig
 from ..runtime import Model
 
