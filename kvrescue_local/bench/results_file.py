@@ -221,7 +221,7 @@ OLD_RULE_FIELDS = ("choice", "pick_margin", "helper_margin", "base_margin", "cal
 
 def old_rule(config: dict) -> Rule:
     """The rule of a row that recorded a choice and its parameters: "prm" the judge's pick within pick_margin (0 where
-    unrecorded, before it was a setting), "random", "base-first" and "helper-first" the lead of a side with the other
+    the row records none), "random", "base-first" and "helper-first" the lead of a side with the other
     side's margin, "calibrated" with its calibration, "regime" weak_base_choice (the judge's pick where unrecorded)
     up to judge_max_budget and base-first above; check_arithmetic wraps it in the arithmetic check."""
     pick = float(config.get("pick_margin", 0.0))
